@@ -1,0 +1,123 @@
+"""Llama building blocks for the one-layer drafters: RMSNorm, RoPE attention over an explicit KV cache, MLP.
+
+Parameter names follow Hugging Face Llama so official EAGLE checkpoints load by name.
+Attention always takes an explicit boolean mask, because drafting runs over trees and
+training runs over packed, rolled-out rows; neither is plain causal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class KVCache:
+    """One drafter layer's keys and values, [B, kv_heads, S, head_dim]; grows by appends, shrinks by truncation."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        if self.keys is not None and length < len(self):
+            self.keys = self.keys[:, :, :length]
+            self.values = self.values[:, :, :length]
+
+    def nbytes(self, rows: int | None = None) -> int:
+        """Bytes held for `rows` rows (all rows when None)."""
+        if self.keys is None:
+            return 0
+        per_row = 2 * self.keys[:, :, :1].numel() * self.keys.element_size()
+        return per_row * (len(self) if rows is None else rows)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for explicit positions, with every RoPE variant the Llama config can name."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.inner = LlamaRotaryEmbedding(config)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.inner(torch.empty(0, dtype=dtype), positions)  # [B, Q, head_dim]
+        return cos[:, None], sin[:, None]  # [B, 1, Q, head_dim]
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) attention whose q/k/v read `in_features` wide inputs."""
+
+    def __init__(self, config: LlamaConfig, in_features: int):
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        qkv_bias = bool(getattr(config, "qkv_bias", False) or getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(in_features, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(
+            self.heads * self.head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: KVCache,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [B, Q, in]; mask: [B, 1, Q, S] bool over all S keys after this append -> [B, Q, d]."""
+        b, q_len, _ = x.shape
+        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim).transpose(1, 2)  # [B, H, Q, hd]
+        k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, Q, hd]
+        v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = kv.append(k, v)  # [B, KVH, S, hd]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+        )  # [B, H, Q, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

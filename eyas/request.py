@@ -1,0 +1,95 @@
+"""One request's committed state: the output tokens (the source of truth), its version, and stop rules.
+
+The last committed token is append-required: it has no target KV or feature yet and becomes
+row 0 of the next tree. Output never overshoots max_new_tokens, EOS or a stop string, even when
+a round accepts more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import RequestError, VersionError
+from .sampling import SamplingError, SamplingParams
+
+
+@dataclass(frozen=True)
+class StopRules:
+    max_new_tokens: int = 64
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
+            raise RequestError("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise RequestError("stop", "stop strings must be non-empty strings")
+
+
+def make_sampling(**options) -> SamplingParams:
+    """SamplingParams from keyword options, with bad values reported as a RequestError naming the option."""
+    try:
+        return SamplingParams(**options)
+    except TypeError as exc:
+        raise RequestError("sampling", f"unknown sampling option ({exc})") from None
+    except SamplingError as exc:
+        raise RequestError(str(exc).split(" ")[0], str(exc)) from None
+
+
+@dataclass
+class RequestState:
+    """Prompt, committed output, version and finish reason of one generation request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: StopRules
+    decode: Callable[[list[int]], str] | None = None
+    output: list[int] = field(default_factory=list)
+    version: int = 0
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise RequestError("prompt", "the prompt is empty")
+        if self.stop.stop_strings and self.decode is None:
+            raise RequestError("stop", "stop strings need a tokenizer to decode the output")
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def root_token(self) -> int:
+        """The append-required token: the last committed one, root of the next tree."""
+        return self.output[-1] if self.output else self.prompt_ids[-1]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output
+
+    def commit(self, version: int, tokens: Sequence[int]) -> list[int]:
+        """Append a round's accepted tokens and frontier token up to the first stop; returns what was emitted."""
+        if version != self.version:
+            raise VersionError(f"request {self.request_id}", self.version, version)
+        if self.done:
+            raise RuntimeError(f"request {self.request_id} already finished ({self.finish_reason})")
+        emitted = []
+        for token in tokens:
+            self.output.append(int(token))
+            emitted.append(int(token))
+            self.finish_reason = self._finished()
+            if self.done:
+                break
+        self.version += 1
+        return emitted
+
+    def _finished(self) -> str | None:
+        if self.output[-1] in self.stop.eos_token_ids:
+            return "eos"
+        if self.stop.stop_strings and any(s in self.decode(self.output) for s in self.stop.stop_strings):
+            return "stop"
+        if len(self.output) >= self.stop.max_new_tokens:
+            return "length"
+        return None

@@ -1,0 +1,86 @@
+"""The speculation round (design reference 0x09), written once for every deployment.
+
+`start` seeds (or rebuilds) a request's target and draft caches from its committed tokens;
+`run_round` drafts a tree, verifies it and publishes the result. The in-process engine passes
+local sessions; the coordinator passes proxies of remote workers with the same methods.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .proposer import Proposal
+from .publish import publish
+from .request import RequestState
+from .sampling import SamplingParams
+from .target import Verification
+from .tree import FlattenedTree, TreePolicy
+from .verify import AcceptanceDecision
+
+
+class Drafting(Protocol):
+    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None: ...
+    def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal: ...
+    def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None: ...
+
+
+class Verifying(Protocol):
+    def prefill(self, version: int, tokens: list[int]) -> torch.Tensor: ...
+    def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification: ...
+    def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None: ...
+
+
+@dataclass
+class RoundRecord:
+    """Everything one round produced and cost; the basis of stats, metrics and traces."""
+
+    version: int
+    tree: FlattenedTree
+    decision: AcceptanceDecision
+    emitted: list[int]
+    nodes_expanded: int
+    nodes_recorded: int
+    draft_kv_bytes: int
+    target_kv_bytes: int
+    experts: frozenset[tuple[int, int]]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def start(request: RequestState, draft: Drafting, target: Verifying) -> None:
+    """Prefill every committed token but the append-required root and seed the drafter with their features."""
+    tokens = request.tokens
+    features = target.prefill(request.version, tokens[:-1])  # [n - 1, F]
+    draft.start(request.version, features, tokens[1:])
+
+
+def run_round(request: RequestState, draft: Drafting, target: Verifying, policy: TreePolicy) -> RoundRecord:
+    """Draft, verify and publish one round of `request`."""
+    version = request.version
+    t0 = time.perf_counter()
+    proposal = draft.propose(version, request.root_token, policy)
+    t1 = time.perf_counter()
+    verification = target.verify(proposal.tree, version, request.sampling)
+    t2 = time.perf_counter()
+    emitted = publish(request, verification.decision, verification.features, target, draft)
+    t3 = time.perf_counter()
+    return RoundRecord(
+        version=version,
+        tree=proposal.tree,
+        decision=verification.decision,
+        emitted=emitted,
+        nodes_expanded=proposal.nodes_expanded,
+        nodes_recorded=proposal.nodes_recorded,
+        draft_kv_bytes=proposal.draft_kv_bytes,
+        target_kv_bytes=verification.branch_kv_bytes,
+        experts=verification.experts,
+        seconds={
+            "draft": t1 - t0 - proposal.tree_seconds,
+            "tree": proposal.tree_seconds,
+            "verify": t2 - t1,
+            "publish": t3 - t2,
+        },
+    )

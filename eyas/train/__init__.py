@@ -1,0 +1,1 @@
+"""Training the drafters eyas serves: row compiler, objectives, data, trainer."""

@@ -1,0 +1,59 @@
+"""Tiny random Hugging Face targets and EAGLE drafters, built on disk by the tests that need them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eyas.drafters import build_drafter, drafter_config, save_drafter
+from eyas.manifest import DRAFTER_ABI, FeatureAddress, Manifest
+from eyas.target import TargetModel
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+EXTRA = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": None},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+}
+
+
+def make_target(directory: Path, model_type: str = "llama", seed: int = 0, init_std: float = 0.1, **overrides) -> Path:
+    """Save a random target of `model_type`; a larger init_std gives peaked, tie-free next-token distributions."""
+    config = AutoConfig.for_model(model_type, **{**COMMON, **EXTRA[model_type], **overrides})
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(directory)
+    return Path(directory)
+
+
+def make_drafter(directory: Path, target_dir: Path, kind: str = "eagle1", seed: int = 1, **overrides) -> Path:
+    """Save a random drafter of `kind` for the target in `target_dir`, with its manifest."""
+    target = TargetModel.from_pretrained(target_dir)
+    address = FeatureAddress.eagle1() if kind == "eagle1" else FeatureAddress.eagle3(target.num_layers)
+    torch.manual_seed(seed)
+    drafter = build_drafter(kind, drafter_config(kind, target.config, **overrides))
+    for p in drafter.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    save_drafter(drafter, directory)
+    Manifest(target=target.fingerprint, feature=address, drafter_abi=DRAFTER_ABI[kind]).save(directory)
+    return Path(directory)
