@@ -1,0 +1,89 @@
+"""Greedy exactness: eyas output equals the target's own greedy decoding, token for token.
+
+Random EAGLE-1 and EAGLE-3 drafters on five tiny Hugging Face families, plus oracle drafters that
+force full, partial and off-first-branch acceptance so that every commit path is exercised.
+"""
+
+import pytest
+import torch
+from oracle import OracleDrafter
+from tiny import make_drafter, make_target
+from transformers import AutoModelForCausalLM
+
+from eyas import Engine
+from eyas.drafters import drafter_config
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral"]
+PROMPTS = [
+    [5, 17, 33, 8, 9, 41, 77, 12],
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 7],  # repeated tokens
+    [5, 9, 5, 9, 5, 9, 5],
+    [3],  # a single token: nothing to prefill, the first tree has no drafter seed
+    list(range(10, 90)),
+]
+NEW_TOKENS = 64
+
+
+def hf_greedy(model, prompt, n=NEW_TOKENS):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    target = make_target(root / "target", request.param)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    references = [hf_greedy(model, p) for p in PROMPTS]
+    return request.param, root, target, references
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_random_drafter_greedy_equals_hugging_face_generate(family, kind):
+    _, root, target, references = family
+    engine = Engine.from_pretrained(target, make_drafter(root / kind, target, kind), tree={"top_k": 4, "depth": 4, "budget": 12})
+    for prompt, reference in zip(PROMPTS, references):
+        gen = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert gen.token_ids == reference, f"prompt {prompt[:10]}"
+        assert gen.finish_reason == "length"
+
+
+def oracle_engine(target_dir, reference, rank, tree):
+    engine = Engine.from_pretrained(target_dir, make_drafter(target_dir.parent / "oracle-base", target_dir))
+    engine.drafter = OracleDrafter(drafter_config("eagle1", engine.target.config), reference, rank)
+    engine.tree = engine.tree.from_dict(tree)
+    return engine
+
+
+def test_partially_right_drafter_keeps_greedy_exact_across_branches(family):
+    """The true token sits at rank p % 5 of 4 candidates: accepted paths leave the first branch, or stop early."""
+    _, _, target, references = family
+    for prompt, reference in zip(PROMPTS, references):
+        engine = oracle_engine(target, prompt + reference, lambda p: p % 5, {"top_k": 4, "depth": 4, "budget": 16})
+        gen = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert gen.token_ids == reference
+        assert len(gen.stats.accepted_length_histogram) > 2  # rounds accepted 0, 1 and more drafts
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_oracle_drafter_accepts_full_depth_every_round(family, depth):
+    """Proves publish loses nothing: target forwards per token = 1 / (depth + 1)."""
+    _, _, target, references = family
+    prompt, reference = PROMPTS[0], references[0]
+    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"top_k": 3, "depth": depth, "budget": 3 * depth})
+    n = (depth + 1) * 8
+    gen = engine.generate(prompt, max_new_tokens=n)
+    assert gen.token_ids == reference[:n]
+    assert gen.stats.accepted_length_histogram == [0] * depth + [8]
+    assert gen.stats.target_forwards_per_token == pytest.approx(1 / (depth + 1))
+    assert gen.stats.target_forwards == 1 + 8  # one prefill, then one verification per round
+
+
+def test_max_new_tokens_is_never_overshot_when_a_round_accepts_more(family):
+    _, _, target, references = family
+    prompt, reference = PROMPTS[0], references[0]
+    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"top_k": 2, "depth": 5, "budget": 10})
+    for n in (1, 2, 5, 7, 13):
+        gen = engine.generate(prompt, max_new_tokens=n)
+        assert gen.token_ids == reference[:n]

@@ -1,0 +1,175 @@
+"""EAGLE-2 tree contract (0x06): knobs, validation errors, ancestor-closed selection, flatten invariants."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eyas.tree import DraftTree, TreeError, TreePolicy, ancestry_mask, flatten, retrieve_paths, validate_tree
+
+
+@pytest.mark.parametrize(
+    "knobs, field",
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"depth": -1}, "depth"),
+        ({"budget": -3}, "budget"),
+        ({"budget": 1.5}, "budget"),
+        ({"width": 3}, "width"),
+    ],
+)
+def test_bad_knobs_are_refused_by_name(knobs, field):
+    with pytest.raises(TreeError) as err:
+        TreePolicy.from_dict(knobs)
+    assert err.value.field == field
+
+
+def test_knobs_are_separate():
+    policy = TreePolicy.from_dict({"top_k": 3, "depth": 7, "budget": 11})
+    assert (policy.top_k, policy.depth, policy.budget) == (3, 7, 11)
+
+
+@pytest.mark.parametrize(
+    "children, field",
+    [
+        ([(0, 1, math.nan)], "confidence"),
+        ([(0, 1, math.inf)], "confidence"),
+        ([(0, 1, -0.1)], "confidence"),
+        ([(0, 1, 1.5)], "confidence"),
+        ([(0, 1, 0.3), (0, 1, 0.2)], "token"),
+        ([(0, 1, 0.7), (0, 2, 0.4)], "confidence"),
+        ([(5, 1, 0.3)], "parent"),
+    ],
+)
+def test_expansion_records_are_validated_and_leave_the_tree_unchanged(children, field):
+    tree = DraftTree(root_token=0)
+    with pytest.raises(TreeError) as err:
+        tree.add_children([0], children)
+    assert err.value.field == field
+    assert len(tree) == 1 and tree.frontier == [0]
+
+
+def test_child_of_a_node_outside_the_expanded_frontier_is_refused():
+    tree = DraftTree(root_token=0)
+    a, b = tree.add_children([0], [(0, 1, 0.5), (0, 2, 0.5)])
+    with pytest.raises(TreeError) as err:
+        tree.add_children([a], [(b, 3, 0.5)])
+    assert err.value.field == "parent"
+
+
+def test_tie_rule_prefers_the_shallower_node_then_the_earlier_one():
+    tree = DraftTree(root_token=0)
+    (a,) = tree.add_children([0], [(0, 1, 1.0)])
+    (a1,) = tree.add_children([a], [(a, 2, 1.0)])
+    assert tree.select(1) == [a]
+    assert tree.select(2) == [a, a1]
+
+
+def test_log_space_values_do_not_underflow_on_long_paths():
+    tree = DraftTree(root_token=0)
+    frontier = [0]
+    for depth in range(400):
+        frontier = tree.add_children(frontier, [(frontier[0], depth + 1, 0.1)])
+    assert tree.log_values[-1] == pytest.approx(400 * math.log(0.1))
+    assert tree.select(400)[-1] == len(tree) - 1
+
+
+@st.composite
+def random_trees(draw):
+    """A random expansion history with valid confidences, plus knobs."""
+    top_k = draw(st.integers(1, 4))
+    depth = draw(st.integers(0, 4))
+    budget = draw(st.integers(0, 20))
+    tree = DraftTree(root_token=0)
+    expanded = [0]
+    for level in range(depth):
+        if level:
+            expanded = tree.expandable(top_k)
+        children = []
+        for parent in expanded:
+            weights = draw(st.lists(st.floats(0, 1), min_size=top_k, max_size=top_k))
+            total = max(sum(weights), 1.0)
+            tokens = draw(st.lists(st.integers(0, 50), min_size=top_k, max_size=top_k, unique=True))
+            children += [(parent, t, w / total) for t, w in zip(tokens, weights)]
+        tree.add_children(expanded, children)
+    return tree, budget, draw(st.integers(0, 100))
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_trees())
+def test_any_valid_expansion_gives_an_ancestor_closed_tree_within_budget(case):
+    tree, budget, prefix = case
+    selected = tree.select(budget)
+    assert len(selected) <= budget
+    chosen = set(selected)
+    for node in selected:
+        assert tree.parents[node] == 0 or tree.parents[node] in chosen
+    flat = flatten(tree, selected, prefix_len=prefix)
+    validate_tree(flat, vocab_size=51, prefix_len=prefix, budget=budget)
+    parents = flat.parents.tolist()
+    # mask = ancestry closure
+    for i in range(flat.num_rows):
+        ancestors = set(flat.path_to(i))
+        assert {j for j in range(flat.num_rows) if flat.mask[i, j]} == ancestors
+    # positions = prefix + depth
+    assert flat.positions.tolist() == [prefix + d for d in flat.depths.tolist()]
+    # retrieve paths are legal root-to-leaf chains covering every leaf once
+    leaves = set(range(flat.num_rows)) - set(parents)
+    ends = []
+    for path in flat.retrieve.tolist():
+        path = [r for r in path if r >= 0]
+        assert path[0] == 0
+        assert all(parents[c] == p for p, c in zip(path, path[1:]))
+        ends.append(path[-1])
+    assert sorted(ends) == sorted(leaves)
+
+
+def _flat():
+    tree = DraftTree(root_token=3)
+    a, b = tree.add_children([0], [(0, 4, 0.6), (0, 5, 0.3)])
+    tree.add_children([a], [(a, 6, 0.9)])
+    return flatten(tree, tree.select(3), prefix_len=10)
+
+
+@pytest.mark.parametrize(
+    "corrupt, field",
+    [
+        (lambda t: t.parents.__setitem__(2, 3), "parents"),  # parent after child
+        (lambda t: t.parents.__setitem__(1, 1), "parents"),  # self-cycle
+        (lambda t: t.parents.__setitem__(0, 2), "parents"),  # root with a parent
+        (lambda t: t.mask.__setitem__((2, 1), False), "mask"),
+        (lambda t: t.mask.__setitem__((1, 3), True), "mask"),
+        (lambda t: t.positions.__setitem__(2, 99), "positions"),
+        (lambda t: t.depths.__setitem__(2, 5), "depths"),
+        (lambda t: t.tokens.__setitem__(1, 1000), "tokens"),
+        (lambda t: t.tokens.__setitem__(3, -1), "tokens"),
+        (lambda t: t.draft_probs.__setitem__(1, math.nan), "draft_probs"),
+        (lambda t: t.retrieve.__setitem__((0, 1), 3), "retrieve"),
+    ],
+)
+def test_malformed_flattened_trees_are_refused_by_field(corrupt, field):
+    flat = _flat()
+    validate_tree(flat, vocab_size=100, prefix_len=10, budget=3)
+    corrupt(flat)
+    with pytest.raises(TreeError) as err:
+        validate_tree(flat, vocab_size=100, prefix_len=10, budget=3)
+    assert err.value.field == field
+
+
+def test_over_budget_and_wrong_prefix_are_refused():
+    flat = _flat()
+    with pytest.raises(TreeError) as err:
+        validate_tree(flat, vocab_size=100, prefix_len=10, budget=2)
+    assert err.value.field == "tokens"
+    with pytest.raises(TreeError) as err:
+        validate_tree(flat, vocab_size=100, prefix_len=11)
+    assert err.value.field == "prefix_len"
+
+
+def test_helpers_agree_on_a_chain():
+    parents = [-1, 0, 1, 2]
+    assert torch.equal(ancestry_mask(parents), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert retrieve_paths(parents).tolist() == [[0, 1, 2, 3]]
