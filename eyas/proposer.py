@@ -108,10 +108,11 @@ class DraftSession:
         """Build the EAGLE-2 tree rooted at the append-required token and flatten it for verification."""
         if version != self.version:
             raise VersionError("draft cache", self.version, version)
+        seeded_root = self.pending_tokens[-1] if self.pending_tokens else self.root_token
+        if seeded_root is not None and root_token != seeded_root:
+            raise TreeError("root_token", f"{root_token} is not the last seeded token {seeded_root}")
         self._run_pending()
         prefix_len = self.committed
-        if self.root_token is not None and root_token != self.root_token:
-            raise TreeError("root_token", f"{root_token} is not the last seeded token {self.root_token}")
         tree = DraftTree(root_token)
         if self.root_state is None or policy.depth == 0 or policy.budget == 0:
             return Proposal(flatten(tree, [], prefix_len), 0, 1, 0)

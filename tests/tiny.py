@@ -57,3 +57,15 @@ def make_drafter(directory: Path, target_dir: Path, kind: str = "eagle1", seed: 
     save_drafter(drafter, directory)
     Manifest(target=target.fingerprint, feature=address, drafter_abi=DRAFTER_ABI[kind]).save(directory)
     return Path(directory)
+
+
+def add_tokenizer(directory: Path, vocab_size: int = 96, shift: int = 0) -> None:
+    """Save a word-level tokenizer over tokens "w0".."w{n-1}" (ids rotated by `shift`) into a model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": (i + shift) % vocab_size for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w2")
+    tokenizer.save_pretrained(directory)
