@@ -39,7 +39,8 @@ class ManifestMismatch(ValueError):
     def __init__(self, field: str, expected: object, actual: object):
         super().__init__(
             f"manifest mismatch in {field}: the drafter was built for {expected!r}, the target has {actual!r} "
-            "(pass allow_mismatch=True to override; the override is recorded in the manifest)"
+            "(override explicitly with allow_manifest_mismatch / --allow-manifest-mismatch to run anyway; "
+            "the override is then recorded in the manifest)"
         )
         self.field = field
 
