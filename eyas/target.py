@@ -168,6 +168,22 @@ class TargetModel:
         return TargetOutput(logits, features, experts)
 
 
+    @torch.no_grad()
+    def teacher(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training-time forward without a cache: tokens, positions [B, S], mask [B, 1, S, S] bool.
+
+        Returns (features [B, S, F] at the declared address, final-norm hidden states [B, S, d]).
+        """
+        self._taps.clear()
+        out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
+        hidden = out.last_hidden_state  # [B, S, d]
+        if self.address.kind == "final_norm_output":
+            return hidden, hidden
+        return torch.cat([self._taps[i] for i in self.address.layers], dim=-1), hidden  # [B, S, d * taps]
+
+
 def keep_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
     """Keep only the cache rows listed in `keep` (in that order) in every layer."""
     for layer in cache.layers:

@@ -12,31 +12,42 @@ import torch.nn.functional as F
 EAGLE1_WEIGHTS = {"feature": 1.0, "token": 0.1}
 
 
-def _masked_mean(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_mean(per_row: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Sum of supervised rows over `denominator` (default: their count; data-parallel callers pass their share)."""
     mask = mask.float()
-    count = mask.sum()
+    count = mask.sum() if denominator is None else denominator
     if count == 0:
         raise ValueError("no supervised rows: skip the optimizer step instead of reducing an empty mask")
     return (per_row.float() * mask).sum() / count
 
 
-def masked_smooth_l1(predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+def masked_smooth_l1(
+    predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, beta: float = 1.0, denominator: float | None = None
+) -> torch.Tensor:
     """Feature regression: SmoothL1 averaged over d, then over supervised rows. [..., d] x [..., d] x [...]."""
     per_row = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none", beta=beta).mean(-1)
-    return _masked_mean(per_row, mask)
+    return _masked_mean(per_row, mask, denominator)
 
 
-def masked_soft_ce(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_soft_ce(
+    draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor, denominator: float | None = None
+) -> torch.Tensor:
     """-sum_v q(v) log p(v) per row, averaged over supervised rows. [..., V] x [..., V] x [...]."""
     per_row = -(target_probs.float() * F.log_softmax(draft_logits.float(), dim=-1)).sum(-1)
-    return _masked_mean(per_row, mask)
+    return _masked_mean(per_row, mask, denominator)
 
 
-def masked_topk_ce(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor, k: int = 10) -> torch.Tensor:
+def masked_topk_ce(
+    draft_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    mask: torch.Tensor,
+    k: int = 10,
+    denominator: float | None = None,
+) -> torch.Tensor:
     """HASS Top-K loss: -sum over the target's top-k of q(v) log p(v); q is NOT renormalised over the top-k."""
-    top_q, top_idx = torch.topk(target_probs.float(), k, dim=-1)
+    top_q, top_idx = torch.topk(target_probs.float(), min(k, target_probs.shape[-1]), dim=-1)
     log_p = F.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_idx)
-    return _masked_mean(-(top_q * log_p).sum(-1), mask)
+    return _masked_mean(-(top_q * log_p).sum(-1), mask, denominator)
 
 
 def eagle1_objective(feature_loss: torch.Tensor | float, token_loss: torch.Tensor | float, weights: dict | None = None):
