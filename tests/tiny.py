@@ -45,7 +45,9 @@ def make_target(directory: Path, model_type: str = "llama", seed: int = 0, init_
     return Path(directory)
 
 
-def make_drafter(directory: Path, target_dir: Path, kind: str = "eagle1", seed: int = 1, **overrides) -> Path:
+def make_drafter(
+    directory: Path, target_dir: Path, kind: str = "eagle1", seed: int = 1, std: float = 0.05, **overrides
+) -> Path:
     """Save a random drafter of `kind` for the target in `target_dir`, with its manifest."""
     target = TargetModel.from_pretrained(target_dir)
     address = FeatureAddress.eagle1() if kind == "eagle1" else FeatureAddress.eagle3(target.num_layers)
@@ -53,7 +55,7 @@ def make_drafter(directory: Path, target_dir: Path, kind: str = "eagle1", seed: 
     drafter = build_drafter(kind, drafter_config(kind, target.config, **overrides))
     for p in drafter.parameters():
         if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.05)
+            torch.nn.init.normal_(p, std=std)
     save_drafter(drafter, directory)
     Manifest(target=target.fingerprint, feature=address, drafter_abi=DRAFTER_ABI[kind]).save(directory)
     return Path(directory)
