@@ -63,11 +63,14 @@ def make_drafter(
 
 def add_tokenizer(directory: Path, vocab_size: int = 96, shift: int = 0) -> None:
     """Save a word-level tokenizer over tokens "w0".."w{n-1}" (ids rotated by `shift`) into a model directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": (i + shift) % vocab_size for i in range(vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w2")
+    special = {"unk_token": "w0", "eos_token": "w2"}  # whole words only: "w20" must not split into "w2" "0"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, **{k: AddedToken(v, single_word=True) for k, v in special.items()}
+    )
     tokenizer.save_pretrained(directory)

@@ -61,8 +61,8 @@ def encode_conversation(tokenizer, messages: list[dict], source: str) -> Documen
     tokens: list[int] = []
     supervise: list[bool] = []
     for i, turn in enumerate(turns):
-        rendered = tokenizer.apply_chat_template(turns[: i + 1], tokenize=True, add_generation_prompt=False)
-        rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+        text = tokenizer.apply_chat_template(turns[: i + 1], tokenize=False, add_generation_prompt=False)
+        rendered = tokenizer.encode(text, add_special_tokens=False)
         if rendered[: len(tokens)] != tokens:
             raise DataError(f"{source}: the chat template does not render turns as a growing prefix")
         added = rendered[len(tokens) :]
