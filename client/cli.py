@@ -91,6 +91,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train an EAGLE-1, HASS or EAGLE-3 drafter for a frozen target as a recipe describes."""
+    from eyas.train.recipe import Recipe
+
+    _quiet_loading()
+    recipe = Recipe.from_yaml(
+        args.config, target=args.target, output=args.output, max_steps=args.max_steps, workers=args.workers
+    )
+    if recipe.workers > 1:
+        from eyas.train.distributed import fit_distributed
+
+        final = fit_distributed(recipe, resume_from=args.resume)
+    else:
+        from eyas.train.trainer import Trainer
+
+        final = Trainer(recipe, resume_from=args.resume).fit()
+    print(f"drafter written to {final}")
+    return 0
+
+
+def cmd_demo_build(args: argparse.Namespace) -> int:
+    """Rebuild the bundled demo models: tokenizer, target, plain draft LM, EAGLE-1/HASS/EAGLE-3 drafters, report."""
+    from eyas.demo.drafters import build_demo
+
+    _quiet_loading()
+    build_demo(
+        out_root=args.out,
+        work_dir=args.work_dir,
+        base=not args.skip_base,
+        target_minutes=args.target_minutes,
+        draft_lm_minutes=args.draft_lm_minutes,
+        drafter_steps=args.drafter_steps,
+        kinds=args.only or ("eagle1", "hass", "eagle3"),
+        prompts=args.prompts,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE speculative decoding: engine, service and tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON record with token ids and statistics")
     gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser("train", help="train a drafter from a recipe", description=cmd_train.__doc__)
+    train.add_argument("--config", required=True, help="recipe YAML (see configs/train/)")
+    train.add_argument("--target", help="override the recipe's target directory")
+    train.add_argument("--output", help="override the recipe's output directory")
+    train.add_argument("--max-steps", type=int, help="override the recipe's number of optimizer steps")
+    train.add_argument("--workers", type=int, help="data-parallel Ray Train workers (gloo on CPU)")
+    train.add_argument("--resume", help="checkpoint directory to resume from (same recipe)")
+    train.set_defaults(func=cmd_train)
+
+    demo = sub.add_parser("demo", help="the bundled demo models")
+    demo_sub = demo.add_subparsers(dest="demo_command", required=True)
+    build = demo_sub.add_parser("build", help="rebuild the demo models", description=cmd_demo_build.__doc__)
+    build.add_argument("--out", default="models/demo", help="where the demo models go (default models/demo)")
+    build.add_argument("--work-dir", default="runs/demo", help="training logs, checkpoints, feature caches")
+    build.add_argument("--skip-base", action="store_true", help="reuse the existing target and draft LM")
+    build.add_argument("--target-minutes", type=float, default=24.0)
+    build.add_argument("--draft-lm-minutes", type=float, default=4.0)
+    build.add_argument("--drafter-steps", type=int, help="override every drafter recipe's max_steps")
+    build.add_argument("--only", nargs="+", choices=["eagle1", "hass", "eagle3"], help="train only these drafters")
+    build.add_argument("--prompts", type=int, default=50, help="held-out prompts for the acceptance report")
+    build.set_defaults(func=cmd_demo_build)
     return parser
 
 

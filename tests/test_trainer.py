@@ -198,3 +198,14 @@ def test_feature_cache_is_reused_and_refused_when_stale(world, tmp_path):
         Trainer(recipe(world, "eagle1", target=str(other), features=str(cache)))
     with pytest.raises(StaleFeatureCache, match="feature address"):
         Trainer(recipe(world, "eagle3", features=str(cache)))
+
+
+def test_bundled_recipes_are_valid():
+    from pathlib import Path
+
+    from eyas.train.objectives import Objective
+
+    for path in sorted(Path(__file__).parents[1].glob("configs/train/*.yaml")):
+        recipe = Recipe.from_yaml(path)
+        objective = Objective.preset(recipe.recipe, **recipe.objective)
+        assert objective.kind == recipe.recipe == path.stem
