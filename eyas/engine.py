@@ -36,6 +36,35 @@ class Generation:
     prompt_ids: list[int] = field(default_factory=list)
 
 
+def tokenize_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int) -> list[int]:
+    """A prompt string (through `tokenizer`) or a list of token ids, checked against the vocabulary.
+
+    Shared by the engine and the service's coordinator, which holds the tokenizer but no model.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise RequestError("prompt", "the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids from a generation config, else from the tokenizer; empty when neither names one."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
 class Engine:
     """EAGLE speculative decoding of one target with one drafter, in one process."""
 
@@ -65,27 +94,11 @@ class Engine:
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt string (through the target's tokenizer) or a list of token ids, checked against the vocabulary."""
-        if isinstance(prompt, str):
-            if self.target.tokenizer is None:
-                raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
-            ids = self.target.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise RequestError("prompt", "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.target.vocab_size})")
-        return ids
+        return tokenize_prompt(prompt, self.target.tokenizer, self.target.vocab_size)
 
     def eos_token_ids(self) -> frozenset[int]:
         """The target's end-of-sequence ids from its generation config (or tokenizer)."""
-        eos = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
-        if eos is None and self.target.tokenizer is not None:
-            eos = self.target.tokenizer.eos_token_id
-        if eos is None:
-            return frozenset()
-        return frozenset([eos] if isinstance(eos, int) else eos)
+        return eos_token_ids(getattr(self.target.model, "generation_config", None), self.target.tokenizer)
 
     def new_request(
         self,

@@ -1,0 +1,393 @@
+"""The coordinator: request table, committed tokens (the source of truth), routing, recovery, accounting.
+
+Each admitted request runs on its own thread, so drafting for one request overlaps verification
+for another. A request's rounds are the engine's own `start` / `run_round` (with its publish
+transaction) over `RemoteDraft` / `RemoteTarget`. Routing is sticky: a request keeps its draft
+and target worker until one is lost or retiring; then its caches are rebuilt elsewhere from the
+committed tokens with `start`. Tokens reach the client only after `RequestState.commit`, and a
+failed round commits nothing, so no committed token is lost or repeated across a rebuild.
+
+As a Ray actor, the coordinator brings up both pools and serves the client-facing front door.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from transformers import AutoTokenizer
+
+from eyas.cluster.config import ServiceConfig
+from eyas.cluster.pools import Member, Pool, PoolError
+from eyas.engine import tokenize_prompt
+from eyas.errors import RequestError
+from eyas.request import RequestState, StopRules, make_sampling
+from eyas.rounds import run_round, start
+from eyas.stats import GenerationStats
+from eyas.tree import TreeError, TreePolicy
+
+from .draft_worker import DraftWorker
+from .errors import ServiceError
+from .proxy import CallTiming, RemoteDraft, RemoteTarget, SessionLost, WorkerLost
+from .server import advertised_host
+from .target_worker import TargetWorker
+
+SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "coordinator", "rebuild")
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+@dataclass
+class Chunk:
+    """Tokens one round committed (or the final record: finish reason and statistics)."""
+
+    request_id: str
+    version: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str = ""
+    stats: dict | None = None
+
+
+@dataclass
+class Job:
+    """One request in flight: its committed state, where it is routed, and what it has cost."""
+
+    state: RequestState
+    policy: TreePolicy
+    emit: Callable[[Chunk | Exception], None]
+    draft: Member | None = None
+    target: Member | None = None
+    draft_session: RemoteDraft | None = None
+    target_session: RemoteTarget | None = None
+    timing: CallTiming = field(default_factory=CallTiming)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    service: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SERVICE_PHASES, 0.0))
+    rebuilds: int = 0
+    started: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    text_sent: str = ""
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    def stats_dict(self) -> dict:
+        stats = self.stats
+        return {
+            "rounds": stats.rounds,
+            "target_forwards": stats.target_forwards,
+            "tokens": stats.tokens,
+            "accepted_length_histogram": list(stats.accepted_length_histogram),
+            "mean_accept_length": stats.mean_accept_length,
+            "seconds": dict(stats.seconds),
+            "service_seconds": dict(self.service),
+            "rebuilds": self.rebuilds,
+        }
+
+
+class Coordinator:
+    """Ray actor owning the request table and both pools; serves the front door on 127.0.0.1 by default."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.pools: dict[str, Pool] = {}
+        self.jobs: dict[str, Job] = {}
+        self.manifest_id = ""
+        self.tokenizer = None
+        self.vocab_size = 0
+        self.feature_width = 0
+        self.max_positions = 0
+        self.eos: frozenset[int] = frozenset()
+        self.totals = {"completed": 0, "failed": 0, "tokens": 0, "rounds": 0, "rebuilds": 0}
+        self.service_seconds = dict.fromkeys(SERVICE_PHASES, 0.0)
+        self.started_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
+        self._frontdoor = None
+
+    # -- lifecycle (Ray actor methods) -----------------------------------------------------------
+    async def start(self, port: int = 50051) -> str:
+        """Bring up both pools, then serve the front door; returns its address once every pool is ready."""
+        from .frontdoor import FrontDoor
+
+        await asyncio.to_thread(self.bring_up)
+        self._frontdoor = FrontDoor(self)
+        bound = await self._frontdoor.start(self.config.host, port, self.config.shared_token)
+        return f"{advertised_host(self.config.host)}:{bound}"
+
+    async def stop(self) -> None:
+        """Cancel every request, stop the front door and remove every worker."""
+        with self._lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            job.cancelled.set()
+        if self._frontdoor is not None:
+            await self._frontdoor.stop()
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
+
+    def bring_up(self) -> None:
+        """Start both pools in parallel and check that every worker serves the same manifest."""
+        target_dir, _ = self.config.models()
+        if Path(target_dir, "tokenizer_config.json").exists():
+            self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        for name, actor_class, pool_config in (
+            ("draft", DraftWorker, self.config.draft_pool),
+            ("target", TargetWorker, self.config.target_pool),
+        ):
+            spec = self.config.worker_spec(pool_config)
+            self.pools[name] = Pool(name, actor_class, pool_config, spec, self.config.ready_timeout_s, self.config.rpc_timeout_s)
+        with ThreadPoolExecutor(2) as starter:
+            futures = [starter.submit(pool.start) for pool in self.pools.values()]
+            wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            for pool in self.pools.values():
+                pool.stop()
+            raise errors[0]
+        members = [m for pool in self.pools.values() for m in pool.members()]
+        manifests = {m.info.manifest_id for m in members}
+        if len(manifests) != 1:
+            for pool in self.pools.values():
+                pool.stop()
+            raise PoolError(f"manifest_id: draft and target workers disagree on the manifest ({sorted(manifests)})")
+        self.manifest_id = manifests.pop()
+        for pool in self.pools.values():
+            pool.manifest_id = self.manifest_id
+        info = self.pools["target"].members()[0].info
+        self.vocab_size, self.feature_width, self.max_positions = info.vocab_size, info.feature_width, info.max_positions
+        self.eos = frozenset(info.eos_token_ids)
+
+    # -- admission --------------------------------------------------------------------------------
+    def admit(
+        self,
+        prompt: str | Sequence[int],
+        emit: Callable[[Chunk | Exception], None],
+        request_id: str = "",
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: dict | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        tree: TreePolicy | None = None,
+    ) -> Job:
+        """Validate a request, enter it in the request table and queue it; `emit` receives its chunks."""
+        sampling_params = make_sampling(**(sampling or {}))
+        rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
+        ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
+        if self.max_positions and len(ids) + max_new_tokens > self.max_positions:
+            raise RequestError(
+                "max_new_tokens",
+                f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the target's "
+                f"{self.max_positions} positions",
+            )
+        policy = self.config.tree if tree is None else self._check_tree(tree)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        state = RequestState(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling_params, rules, decode=decode)
+        job = Job(state, policy, emit)
+        with self._lock:
+            if state.request_id in self.jobs:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, "request_id", f"{state.request_id!r} is already running")
+            self.jobs[state.request_id] = job
+        self._executor.submit(self._serve, job)
+        return job
+
+    def _check_tree(self, tree: TreePolicy) -> TreePolicy:
+        for knob in ("top_k", "depth", "budget"):
+            limit = getattr(self.config.tree, knob)
+            if getattr(tree, knob) > limit:
+                raise TreeError(f"tree.{knob}", f"{getattr(tree, knob)} exceeds the service's {limit}")
+        return tree
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            job = self.jobs.get(request_id)
+        if job is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, "request_id", f"no running request {request_id!r}")
+        job.cancelled.set()
+
+    # -- serving one request ----------------------------------------------------------------------
+    def _serve(self, job: Job) -> None:
+        """Place the request, run its rounds until it finishes, then free its caches and report."""
+        job.started = True
+        error: Exception | None = None
+        try:
+            while not job.state.done:
+                if job.cancelled.is_set():
+                    job.state.finish_reason = "cancelled"
+                    break
+                if job.draft_session is None:
+                    t0 = time.perf_counter()
+                    self._place(job)
+                    job.stats.add_prefill(time.perf_counter() - t0)
+                    continue
+                if job.draft.state != "ready" or job.target.state != "ready":
+                    self._rebuild(job, None)
+                    continue
+                t0 = time.perf_counter()
+                job.timing.reset()
+                try:
+                    record = run_round(job.state, job.draft_session, job.target_session, job.policy)
+                except (WorkerLost, SessionLost) as lost:
+                    self._rebuild(job, lost)
+                    continue
+                job.stats.add_round(record)
+                self._emit(job, record.emitted)
+                self._account(job, time.perf_counter() - t0)
+        except Exception as exc:
+            error = exc
+        self._close(job)
+        self._conclude(job, error)
+
+    def _place(self, job: Job, lost: Exception | None = None) -> None:
+        """(Re)build the request's draft and target caches from its committed tokens on ready workers."""
+        for _ in range(self.config.max_rebuilds + 1):
+            if isinstance(lost, WorkerLost):
+                for member in (job.draft, job.target):
+                    if member is not None and member.client is lost.worker:
+                        self.pools[member.client.role].lost(member)
+            self._route(job)
+            try:
+                start(job.state, job.draft_session, job.target_session)
+                return
+            except (WorkerLost, SessionLost) as exc:
+                lost = exc
+        raise ServiceError(
+            grpc.StatusCode.UNAVAILABLE, "workers", f"could not rebuild the caches of {job.request_id}: {lost}"
+        )
+
+    def _route(self, job: Job) -> None:
+        """Keep each ready worker (dropping its old session), replace any other with the least-loaded one."""
+        for side in ("draft", "target"):
+            member: Member | None = getattr(job, side)
+            session = getattr(job, f"{side}_session")
+            if member is not None and member.state == "ready":
+                if session is not None:
+                    session.release()
+                continue
+            pool = self.pools[side]
+            if member is not None:
+                pool.release(member)
+            try:
+                setattr(job, side, pool.acquire())
+            except PoolError as exc:
+                setattr(job, side, None)
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"pools.{side}", str(exc)) from None
+        args = (job.request_id, self.manifest_id, job.timing, self.vocab_size)
+        job.draft_session = RemoteDraft(job.draft.client, *args)
+        job.target_session = RemoteTarget(job.target.client, *args, self.feature_width)
+
+    def _rebuild(self, job: Job, lost: Exception | None) -> None:
+        """Move a request whose worker was lost or is retiring; bounded by service.max_rebuilds."""
+        job.rebuilds += 1
+        if job.rebuilds > self.config.max_rebuilds:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, "workers", f"{job.request_id} needed more than {self.config.max_rebuilds} rebuilds: {lost}"
+            )
+        t0 = time.perf_counter()
+        self._place(job, lost)
+        job.service["rebuild"] += time.perf_counter() - t0
+
+    def _emit(self, job: Job, tokens: list[int]) -> None:
+        """Send a round's committed tokens with the text they add (held back while a character is incomplete)."""
+        text = ""
+        if job.state.decode is not None:
+            full = job.state.decode(job.state.output)
+            if job.state.done or not full.endswith("\ufffd"):
+                text, job.text_sent = full[len(job.text_sent) :], full
+        job.emit(Chunk(job.request_id, job.state.version, list(tokens), text))
+
+    def _account(self, job: Job, wall: float) -> None:
+        t = job.timing
+        for phase in ("compute", "rpc", "serialize", "queue"):
+            job.service[phase] += getattr(t, phase)
+        job.service["coordinator"] += wall - (t.compute + t.rpc + t.serialize + t.queue)
+
+    def _close(self, job: Job) -> None:
+        """Free the request's caches on its workers and drop it from the request table."""
+        for side in ("draft", "target"):
+            session, member = getattr(job, f"{side}_session"), getattr(job, side)
+            if session is not None:
+                try:
+                    session.release()
+                except Exception:
+                    pass
+            if member is not None:
+                self.pools[side].release(member)
+        with self._lock:
+            self.jobs.pop(job.request_id, None)
+
+    def _conclude(self, job: Job, error: Exception | None) -> None:
+        with self._lock:
+            self.totals["failed" if error else "completed"] += 1
+            self.totals["tokens"] += len(job.state.output)
+            self.totals["rounds"] += job.stats.rounds
+            self.totals["rebuilds"] += job.rebuilds
+            for phase, seconds in job.service.items():
+                self.service_seconds[phase] += seconds
+        if error is not None:
+            job.emit(error)
+            return
+        job.emit(Chunk(job.request_id, job.state.version, [], "", job.state.finish_reason, job.stats_dict()))
+
+    # -- operations -------------------------------------------------------------------------------
+    def scale(self, draft: int | None = None, target: int | None = None) -> dict:
+        """Resize the pools (in parallel) without failing requests; returns the status afterwards."""
+        sizes = {"draft": draft, "target": target}
+        for name, size in sizes.items():
+            if size is not None and (type(size) is not int or size < 1):
+                raise RequestError(name, f"pool size must be an integer >= 1, got {size!r}")
+        with ThreadPoolExecutor(2) as resizer:
+            futures = [resizer.submit(self.pools[n].resize, s) for n, s in sizes.items() if s is not None]
+        for future in futures:
+            if future.exception() is not None:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "pools", str(future.exception()))
+        return self.status()
+
+    def status(self) -> dict:
+        """Pools with each worker's health, request counts and acceptance so far."""
+        pools = []
+        for name, pool in self.pools.items():
+            workers = []
+            for member in pool.members():
+                entry = {
+                    "worker_id": member.worker_id,
+                    "state": member.state,
+                    "node_id": member.info.node_id,
+                    "address": member.info.address,
+                    "pid": member.info.pid,
+                    "assigned": member.load,
+                }
+                try:
+                    health = member.client.health()
+                    entry.update(
+                        sessions=health.sessions,
+                        kv_bytes=health.kv_bytes,
+                        rss_bytes=health.rss_bytes,
+                        calls=health.calls,
+                        busy_seconds=health.busy_seconds,
+                    )
+                except grpc.RpcError:
+                    pool.lost(member)
+                    entry["state"] = "lost"
+                workers.append(entry)
+            pools.append({"name": name, "size": pool.size, "workers": workers})
+        with self._lock:
+            active = sum(job.started for job in self.jobs.values())
+            return {
+                "manifest_id": self.manifest_id,
+                "pools": pools,
+                "active": active,
+                "queued": len(self.jobs) - active,
+                **self.totals,
+                "mean_accept_length": self.totals["tokens"] / self.totals["rounds"] if self.totals["rounds"] else 0.0,
+                "tree": {"top_k": self.config.tree.top_k, "depth": self.config.tree.depth, "budget": self.config.tree.budget},
+                "uptime_seconds": time.monotonic() - self.started_at,
+                "service_seconds": dict(self.service_seconds),
+            }

@@ -1,0 +1,107 @@
+"""The draft worker: drafter weights (plus only the target's embedding and LM head) and draft KV per request.
+
+Serves Start (seed a session from a prefill), Draft (the next EAGLE-2 tree, after applying a
+carried Reseed) and Reseed. Sessions are `eyas.proposer.DraftSession`s: the worker adds receipt
+checks in front of them so that a rejected message changes no state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import torch
+
+from eyas import wire
+from eyas.drafters import load_drafter
+from eyas.errors import VersionError
+from eyas.manifest import fingerprint_target
+from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
+from eyas.proposer import DraftSession
+from eyas.tree import TreeError
+from eyas.v1 import round_pb2 as pb
+
+from .errors import ServiceError
+from .server import Clock
+from .worker import DTYPES, Worker
+
+
+class DraftWorker(Worker):
+    """Ray actor: one drafter, a DraftSession per request, served over gRPC (service eyas.v1.DraftWorker)."""
+
+    role = "draft"
+    service = "DraftWorker"
+
+    def load(self) -> None:
+        spec = self.spec
+        plan = plan_drafter(spec.drafter, target_num_layers(spec.target), spec.feature_layers)
+        config = json.loads(Path(spec.target, "config.json").read_text())
+        self.manifest = plan.manifest(fingerprint_target(spec.target, config), spec.allow_manifest_mismatch)
+        embed, lm_head = load_embedding_and_head(spec.target)
+        drafter, _ = load_drafter(spec.drafter, embed, lm_head)
+        self.drafter = drafter.to(DTYPES[spec.dtype])
+        self.vocab_size = int(embed.weight.shape[0])
+        self.feature_width = self.manifest.feature.width(int(embed.weight.shape[1]))
+        self.max_positions = int((config.get("text_config") or config).get("max_position_embeddings", 0))
+
+    def endpoints(self) -> dict:
+        return {"Start": (pb.DraftStart, self.start_session), "Draft": (pb.DraftRequest, self.draft), "Reseed": (pb.Reseed, self.reseed)}
+
+    def session_kv_bytes(self, session: DraftSession) -> int:
+        pending = session.pending_state
+        return session.kv.nbytes() + (pending.numel() * pending.element_size() if pending is not None else 0)
+
+    def _features(self, msg: pb.Reseed | pb.DraftStart, field: str) -> tuple[torch.Tensor, list[int]]:
+        tokens = self.check_tokens(msg.tokens, f"{field}tokens")
+        if isinstance(msg, pb.Reseed) and not tokens:
+            raise wire.WireError(f"{field}tokens", "a reseed carries at least the frontier token")
+        return wire.features_from_proto(msg.features, f"{field}features", len(tokens), self.feature_width), tokens
+
+    def start_session(self, msg: pb.DraftStart, clock: Clock) -> pb.Ack:
+        """Seed a new session from the target's features of the committed tokens."""
+        self.new_session(msg.ref)
+        features, tokens = self._features(msg, "")
+        clock.lap("decode")
+        session = DraftSession(self.drafter)
+        session.start(msg.ref.version, features, tokens)
+        self.sessions[msg.ref.request_id] = session
+        clock.lap("compute")
+        return pb.Ack(ref=msg.ref)
+
+    def draft(self, msg: pb.DraftRequest, clock: Clock) -> pb.Proposal:
+        """Apply the carried reseed (if any), then propose the tree that builds on msg.ref.version."""
+        session = self.session(msg.ref)
+        if msg.HasField("assumed"):
+            raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "assumed", "this worker does not draft ahead yet")
+        policy = wire.policy_from_proto(msg.policy)
+        self.check_policy(policy)
+        root = self.check_tokens([msg.root_token], "root_token")[0]
+        expected = session.version
+        reseed = None
+        if msg.HasField("reseed"):
+            self.same_request(msg.ref, msg.reseed.ref, "reseed.ref")
+            features, tokens = self._features(msg.reseed, "reseed.")
+            reseed = (msg.reseed.ref.version, features, tokens)
+            expected = msg.reseed.ref.version + 1
+            if tokens[-1:] != [root]:
+                raise TreeError("root_token", f"{root} is not the last reseeded token {tokens[-1:]}")
+        if msg.ref.version != expected:
+            raise VersionError("draft cache", expected, msg.ref.version)
+        clock.lap("decode")
+        if reseed is not None:
+            session.reseed(*reseed)
+        proposal = session.propose(msg.ref.version, root, policy)
+        clock.lap("compute")
+        reply = wire.proposal_to_proto(proposal, msg.ref)
+        clock.lap("encode")
+        return reply
+
+    def reseed(self, msg: pb.Reseed, clock: Clock) -> pb.Ack:
+        """The draft side of a publish, sent on its own."""
+        session = self.session(msg.ref)
+        features, tokens = self._features(msg, "")
+        clock.lap("decode")
+        session.reseed(msg.ref.version, features, tokens)
+        clock.lap("compute")
+        return pb.Ack(ref=msg.ref)

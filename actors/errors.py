@@ -1,0 +1,54 @@
+"""How the service reports failures: gRPC status codes with details and an `eyas-field` trailer naming the field.
+
+Engine errors map by kind: malformed input (TreeError, RequestError, WireError, ValueError) is
+INVALID_ARGUMENT, a stale or future version (VersionError) or a manifest mismatch is
+FAILED_PRECONDITION; the service adds NOT_FOUND, ALREADY_EXISTS and the rest through `ServiceError`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from eyas.errors import VersionError
+from eyas.manifest import ManifestMismatch
+
+FIELD_KEY = "eyas-field"
+log = logging.getLogger("eyas.service")
+
+
+class ServiceError(Exception):
+    """A failure with an explicit gRPC status code and the field it concerns."""
+
+    def __init__(self, code: grpc.StatusCode, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.code = code
+        self.field = field
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """(code, field, details) for an exception raised while serving a call."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.field, str(exc)
+    if isinstance(exc, (VersionError, ManifestMismatch)):
+        return grpc.StatusCode.FAILED_PRECONDITION, exc.field, str(exc)
+    if isinstance(exc, ValueError):
+        field = getattr(exc, "field", None) or str(exc).split(":", 1)[0].strip()
+        return grpc.StatusCode.INVALID_ARGUMENT, field, str(exc)
+    log.exception("internal error while serving a call", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "", f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with the status `exc` maps to; the field also travels as trailing metadata."""
+    code, field, details = status_of(exc)
+    await context.abort(code, details, trailing_metadata=((FIELD_KEY, field),))
+
+
+def field_of(error: grpc.RpcError) -> str:
+    """The field a failed call names (from the `eyas-field` trailer), or "" when it names none."""
+    for key, value in error.trailing_metadata() or ():
+        if key == FIELD_KEY:
+            return value
+    return ""

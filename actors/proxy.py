@@ -1,0 +1,231 @@
+"""The coordinator's side of the worker RPCs: remote sessions with the local sessions' methods.
+
+`RemoteDraft` and `RemoteTarget` implement `eyas.rounds.Drafting` / `Verifying`, so the coordinator
+runs the engine's own `start`, `run_round` and publish transaction against remote workers. The
+publish steps (commit, reseed) are queued and ride on the next Verify / Draft call as explicit,
+versioned messages. Every reply is checked on receipt, and every call's time is split into
+RPC, serialization, queueing and compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import grpc
+import torch
+from google.protobuf.message import Message
+
+from eyas import wire
+from eyas.proposer import Proposal
+from eyas.sampling import SamplingParams
+from eyas.target import Verification
+from eyas.tree import FlattenedTree, TreePolicy, validate_tree
+from eyas.v1 import round_pb2 as pb
+from eyas.v1 import tensor_pb2 as tpb
+
+from .errors import field_of
+from .server import call_metadata, parse_timing
+
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class WorkerLost(Exception):
+    """A worker stopped answering (its process died or its connection broke)."""
+
+    def __init__(self, worker: "WorkerClient", detail: str):
+        super().__init__(f"{worker.role} worker {worker.worker_id} at {worker.address} is lost: {detail}")
+        self.worker = worker
+
+
+class SessionLost(Exception):
+    """A worker answers but no longer holds the request's session."""
+
+    def __init__(self, worker: "WorkerClient", detail: str):
+        super().__init__(f"{worker.role} worker {worker.worker_id} lost the session: {detail}")
+        self.worker = worker
+
+
+class RemoteError(Exception):
+    """A worker refused a call; carries its status code and the field it named."""
+
+    def __init__(self, worker: "WorkerClient", code: grpc.StatusCode, field: str, details: str):
+        super().__init__(f"{worker.role} worker {worker.worker_id}: {code.name}: {details}")
+        self.code = code
+        self.field = field
+        self.details = details
+
+
+@dataclass
+class CallTiming:
+    """Seconds of remote calls, split: wire transport, (de)serialization on both ends, waiting, compute."""
+
+    rpc: float = 0.0
+    serialize: float = 0.0
+    queue: float = 0.0
+    compute: float = 0.0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0.0)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class WorkerClient:
+    """A channel to one worker's gRPC server, shared by every request routed to it."""
+
+    def __init__(self, role: str, worker_id: str, address: str, token: str | None, timeout: float):
+        self.role = role
+        self.worker_id = worker_id
+        self.address = address
+        self.timeout = timeout
+        self.service = pb.DESCRIPTOR.services_by_name["DraftWorker" if role == "draft" else "TargetWorker"].full_name
+        self._metadata = call_metadata(token)
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+        )
+        self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+
+    def call(self, method: str, build: Callable[[], Message], reply_type: type[Message], parse: Callable, timing: CallTiming):
+        """Build, serialize, send and parse one call, charging each part to `timing`."""
+        t0 = time.perf_counter()
+        data = build().SerializeToString()
+        t1 = time.perf_counter()
+        stub = self._methods.get(method) or self._methods.setdefault(
+            method, self._channel.unary_unary(f"/{self.service}/{method}")
+        )
+        try:
+            raw, call = stub.with_call(data, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise self._translate(error) from None
+        t2 = time.perf_counter()
+        value = parse(reply_type.FromString(raw))
+        t3 = time.perf_counter()
+        server = parse_timing(call)
+        timing.serialize += (t1 - t0) + (t3 - t2) + server["decode"] + server["encode"]
+        timing.queue += server["queue"]
+        timing.compute += server["compute"]
+        timing.rpc += (t2 - t1) - sum(server.values())
+        return value
+
+    def _translate(self, error: grpc.RpcError) -> Exception:
+        code = error.code()
+        if code in LOST_CODES:
+            return WorkerLost(self, f"{code.name}: {error.details()}")
+        if code == grpc.StatusCode.NOT_FOUND:
+            return SessionLost(self, error.details())
+        return RemoteError(self, code, field_of(error), error.details())
+
+    def health(self, timeout: float = 5.0) -> pb.WorkerHealth:
+        raw = self._channel.unary_unary(f"/{self.service}/Health")(
+            pb.WorkerHealthRequest().SerializeToString(), timeout=timeout, metadata=self._metadata
+        )
+        return pb.WorkerHealth.FromString(raw)
+
+    def release(self, ref: tpb.RequestRef) -> None:
+        """Drop a request's session; a session or worker already gone is fine."""
+        try:
+            self.call("Release", lambda: pb.Release(ref=ref), pb.Released, lambda r: r, CallTiming())
+        except (WorkerLost, SessionLost):
+            pass
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RemoteSession:
+    """One request's session on one worker: its reference and where its call time goes."""
+
+    def __init__(self, client: WorkerClient, request_id: str, manifest_id: str, timing: CallTiming):
+        self.client = client
+        self.request_id = request_id
+        self.manifest_id = manifest_id
+        self.timing = timing
+
+    def ref(self, version: int) -> tpb.RequestRef:
+        return wire.ref(self.request_id, version, self.manifest_id)
+
+    def check_ref(self, reply_ref: tpb.RequestRef, version: int) -> None:
+        if reply_ref != self.ref(version):
+            raise wire.WireError("ref", f"the reply names {reply_ref.request_id!r} at version {reply_ref.version}")
+
+    def release(self) -> None:
+        self.client.release(self.ref(0))
+
+
+class RemoteDraft(RemoteSession):
+    """`eyas.rounds.Drafting` over gRPC; a reseed rides on the next Draft call."""
+
+    def __init__(self, client: WorkerClient, request_id: str, manifest_id: str, timing: CallTiming, vocab_size: int):
+        super().__init__(client, request_id, manifest_id, timing)
+        self.vocab_size = vocab_size
+        self._reseed: tuple[int, torch.Tensor, list[int]] | None = None
+
+    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
+        def build():
+            return pb.DraftStart(ref=self.ref(version), features=wire.tensor_to_proto(features), tokens=tokens)
+
+        self.client.call("Start", build, pb.Ack, lambda reply: self.check_ref(reply.ref, version), self.timing)
+
+    def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
+        self._reseed = (version, features, list(tokens))
+
+    def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
+        def build():
+            msg = pb.DraftRequest(ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy))
+            if self._reseed is not None:
+                v, features, tokens = self._reseed
+                msg.reseed.CopyFrom(pb.Reseed(ref=self.ref(v), features=wire.tensor_to_proto(features), tokens=tokens))
+            return msg
+
+        def parse(reply: pb.Proposal) -> Proposal:
+            self.check_ref(reply.ref, version)
+            return wire.proposal_from_proto(reply)
+
+        proposal = self.client.call("Draft", build, pb.Proposal, parse, self.timing)
+        self._reseed = None
+        validate_tree(proposal.tree, vocab_size=self.vocab_size, budget=policy.budget, root_token=root_token)
+        return proposal
+
+
+class RemoteTarget(RemoteSession):
+    """`eyas.rounds.Verifying` over gRPC; a commit rides on the next Verify call."""
+
+    def __init__(
+        self, client: WorkerClient, request_id: str, manifest_id: str, timing: CallTiming, vocab_size: int, feature_width: int
+    ):
+        super().__init__(client, request_id, manifest_id, timing)
+        self.vocab_size = vocab_size
+        self.feature_width = feature_width
+        self._commit: tuple[int, tuple[int, ...]] | None = None
+
+    def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
+        def parse(reply: pb.PrefillReply) -> torch.Tensor:
+            self.check_ref(reply.ref, version)
+            return wire.features_from_proto(reply.features, "features", len(tokens), self.feature_width)
+
+        return self.client.call("Prefill", lambda: pb.Prefill(ref=self.ref(version), tokens=tokens), pb.PrefillReply, parse, self.timing)
+
+    def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
+        self._commit = (version, tuple(accepted_rows))
+
+    def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
+        def build():
+            request = self.ref(version)
+            msg = pb.VerifyRequest(ref=request, tree=wire.tree_to_proto(tree, request), sampling=wire.sampling_to_proto(params))
+            if self._commit is not None:
+                msg.commit.CopyFrom(pb.Commit(ref=self.ref(self._commit[0]), accepted_rows=self._commit[1]))
+            return msg
+
+        def parse(reply: pb.Verification) -> Verification:
+            self.check_ref(reply.ref, version)
+            self.check_ref(reply.decision.ref, version)
+            return wire.verification_from_proto(reply, self.feature_width)
+
+        verification = self.client.call("Verify", build, pb.Verification, parse, self.timing)
+        self._commit = None
+        wire.validate_decision(verification.decision, tree, self.vocab_size)
+        return verification

@@ -1,0 +1,245 @@
+"""What draft and target workers share: their spec, the per-request session table, the gRPC endpoint loop.
+
+A worker is a Ray actor running a grpc.aio server; trees, decisions and features travel over that
+server as protobuf, never through Ray's object store. Every endpoint decodes and checks its
+message, then runs on one compute thread (so a worker's sessions change one call at a time) and
+reports its decode / queue / compute / encode seconds in the call's trailer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import ray
+import torch
+from google.protobuf.message import DecodeError, Message
+
+from eyas.manifest import Manifest
+from eyas.tree import TreeError, TreePolicy
+from eyas.v1 import round_pb2 as pb
+from eyas.v1 import tensor_pb2 as tpb
+
+from .errors import ServiceError, abort
+from .server import Clock, advertised_host, start_server
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker loads and how it serves; built by `eyas.cluster` from the service config."""
+
+    target: str
+    drafter: str
+    tree_limit: TreePolicy
+    dtype: str = "float32"
+    feature_layers: tuple[int, ...] | None = None
+    allow_manifest_mismatch: bool = False
+    host: str = "127.0.0.1"
+    token: str | None = None
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a started worker tells the coordinator (over Ray, once): where it listens and what it serves."""
+
+    role: str
+    address: str
+    manifest_id: str
+    node_id: str
+    pid: int
+    vocab_size: int
+    feature_width: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        scale = 1 if sys.platform == "darwin" else 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+class Worker:
+    """Base of `DraftWorker` and `TargetWorker`: subclasses load models and define `endpoints`."""
+
+    role = ""
+    service = ""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.sessions: dict = {}
+        self.manifest: Manifest | None = None
+        self.vocab_size = 0
+        self.feature_width = 0
+        self.max_positions = 0
+        self.calls = 0
+        self.busy_seconds = 0.0
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"eyas-{self.role}")
+        self._server: grpc.aio.Server | None = None
+
+    # -- subclass contract --------------------------------------------------------------------
+    def load(self) -> None:
+        """Load models and set manifest, vocab_size, feature_width and max_positions."""
+        raise NotImplementedError
+
+    def endpoints(self) -> dict[str, tuple[type[Message], Callable[[Message, Clock], Message]]]:
+        """Round endpoints by rpc name: (request type, function of (message, clock) -> reply)."""
+        raise NotImplementedError
+
+    def session_kv_bytes(self, session) -> int:
+        raise NotImplementedError
+
+    def info_extra(self) -> dict:
+        return {}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self, port: int = 0) -> WorkerInfo:
+        """Load the models, then serve on the configured host; returns where the worker listens."""
+        loop = asyncio.get_running_loop()
+        torch.set_num_threads(self.spec.threads)
+        await loop.run_in_executor(self._compute, self.load)
+        methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in self.endpoints().items()}
+        methods["Release"] = self._unary(pb.Release, self.release)
+        methods["Health"] = grpc.unary_unary_rpc_method_handler(self._health)
+        full_name = pb.DESCRIPTOR.services_by_name[self.service].full_name
+        handler = grpc.method_handlers_generic_handler(full_name, methods)
+        self._server, bound = await start_server(
+            lambda server: server.add_generic_rpc_handlers((handler,)), self.spec.host, port, self.spec.token
+        )
+        return WorkerInfo(
+            role=self.role,
+            address=f"{advertised_host(self.spec.host)}:{bound}",
+            manifest_id=self.manifest.id,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            vocab_size=self.vocab_size,
+            feature_width=self.feature_width,
+            max_positions=self.max_positions,
+            **self.info_extra(),
+        )
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        self._compute.shutdown(wait=False)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # -- serving ------------------------------------------------------------------------------
+    def _unary(self, request_type: type[Message], fn: Callable[[Message, Clock], Message]) -> grpc.RpcMethodHandler:
+        """A raw-bytes handler: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
+
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            clock = Clock()
+            try:
+                try:
+                    request = request_type.FromString(raw)
+                except DecodeError as exc:
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
+                clock.lap("decode")
+                reply = await asyncio.get_running_loop().run_in_executor(self._compute, self._run, fn, request, clock)
+                data = reply.SerializeToString()
+                clock.lap("encode")
+            except Exception as exc:
+                await abort(context, exc)
+            context.set_trailing_metadata(clock.trailer())
+            return data
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def _run(self, fn: Callable[[Message, Clock], Message], request: Message, clock: Clock) -> Message:
+        clock.lap("queue")
+        try:
+            return fn(request, clock)
+        finally:
+            self.calls += 1
+            self.busy_seconds += clock.seconds["compute"]
+
+    async def _health(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        sessions = dict(self.sessions)
+        return pb.WorkerHealth(
+            role=self.role,
+            manifest_id=self.manifest.id,
+            sessions=len(sessions),
+            kv_bytes=sum(self.session_kv_bytes(s) for s in sessions.values()),
+            rss_bytes=rss_bytes(),
+            request_ids=sorted(sessions),
+            calls=self.calls,
+            busy_seconds=self.busy_seconds,
+        ).SerializeToString()
+
+    def release(self, msg: pb.Release, clock: Clock) -> pb.Released:
+        """Drop a request's session at any version and free its cache."""
+        session = self.session(msg.ref)
+        clock.lap("decode")
+        freed = self.session_kv_bytes(session)
+        del self.sessions[msg.ref.request_id]
+        clock.lap("compute")
+        return pb.Released(ref=msg.ref, freed_kv_bytes=freed)
+
+    # -- receipt checks -------------------------------------------------------------------------
+    def check_ref(self, ref: tpb.RequestRef) -> None:
+        """Every message names a request id, a nonnegative version and this worker's manifest id."""
+        if not ref.request_id:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", "is empty")
+        if ref.version < 0:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "version", f"{ref.version} is negative")
+        if ref.manifest_id != self.manifest.id:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "manifest_id",
+                f"{ref.manifest_id!r} is not the manifest this {self.role} worker serves ({self.manifest.id})",
+            )
+
+    def session(self, ref: tpb.RequestRef):
+        """The session `ref` names, or NOT_FOUND."""
+        self.check_ref(ref)
+        session = self.sessions.get(ref.request_id)
+        if session is None:
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND, "request_id", f"no session for request {ref.request_id!r} on this {self.role} worker"
+            )
+        return session
+
+    def new_session(self, ref: tpb.RequestRef) -> None:
+        """Refuse to open a session for a request that already has one here."""
+        self.check_ref(ref)
+        if ref.request_id in self.sessions:
+            raise ServiceError(
+                grpc.StatusCode.ALREADY_EXISTS, "request_id", f"request {ref.request_id!r} already has a session here"
+            )
+
+    def check_tokens(self, tokens: Iterable[int], field: str) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise TreeError(field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return tokens
+
+    def check_policy(self, policy: TreePolicy) -> None:
+        """No tree knob may exceed the service's configured tree policy."""
+        limit = self.spec.tree_limit
+        for knob in ("top_k", "depth", "budget"):
+            if getattr(policy, knob) > getattr(limit, knob):
+                raise TreeError(knob, f"{getattr(policy, knob)} exceeds the service limit {getattr(limit, knob)}")
+
+    def same_request(self, outer: tpb.RequestRef, inner: tpb.RequestRef, field: str) -> None:
+        """A carried message must name the same request and manifest as the call carrying it."""
+        if inner.request_id != outer.request_id or inner.manifest_id != outer.manifest_id:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, field, "names another request or manifest than the call carrying it"
+            )

@@ -1,0 +1,184 @@
+"""The Python client of a running eyas service: generate, stream, batch jobs, status, scaling.
+
+Needs only gRPC and protobuf (no Ray, no torch). Failures raise `EyasError` with the status code
+and the field the service named.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import Message
+
+from eyas.actors.errors import field_of
+from eyas.actors.server import call_metadata
+from eyas.v1 import service_pb2 as spb
+from eyas.v1 import service_pb2_grpc as spb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
+
+
+class EyasError(RuntimeError):
+    """A call the service refused or could not serve: `code` (a gRPC status name), `field`, `details`."""
+
+    def __init__(self, code: str, field: str, details: str):
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.field = field
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, error: grpc.RpcError, address: str) -> "EyasError":
+        code = error.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return cls(code.name, "", f"no eyas service answers at {address} ({error.details()}); start one with `eyas serve`")
+        return cls(code.name, field_of(error), error.details())
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one round; the last chunk has `finish_reason` and `stats`."""
+
+    request_id: str
+    version: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    """A finished generation."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    tree: dict | None = None,
+    request_id: str = "",
+    manifest_id: str = "",
+) -> spb.GenerateRequest:
+    """A GenerateRequest; options left as None take the service's defaults."""
+    msg = spb.GenerateRequest(request_id=request_id, manifest_id=manifest_id, stop=list(stop), ignore_eos=ignore_eos)
+    if isinstance(prompt, str):
+        msg.text = prompt
+    else:
+        msg.token_ids.ids.extend(int(t) for t in prompt)
+    if max_new_tokens is not None:
+        msg.max_new_tokens = max_new_tokens
+    for name, value in zip(SAMPLING_OPTIONS, (temperature, top_p, top_k, seed)):
+        if value is not None:
+            setattr(msg.sampling, name, value)
+    if tree is not None:
+        msg.tree.top_k, msg.tree.depth, msg.tree.budget = tree["top_k"], tree["depth"], tree["budget"]
+    return msg
+
+
+def chunk_from_proto(msg: spb.TokenChunk) -> Chunk:
+    stats = message_to_dict(msg.stats) if msg.HasField("stats") else {}
+    return Chunk(msg.ref.request_id, msg.ref.version, list(msg.token_ids), msg.text, msg.finish_reason, stats)
+
+
+class Client:
+    """Talks to an eyas front door at `address` (host:port); `token` is needed when the service requires one."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None, timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout
+        self.metadata = call_metadata(token or os.environ.get("EYAS_TOKEN"))
+        self._channel = grpc.insecure_channel(address)
+        self.stub = spb_grpc.EyasStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Chunk]:
+        """Yield token chunks as rounds commit; options as `build_request` (max_new_tokens, temperature, ...)."""
+        call = self.stub.Generate(build_request(prompt, **options), timeout=self.timeout, metadata=self.metadata)
+        try:
+            for msg in call:
+                yield chunk_from_proto(msg)
+        except grpc.RpcError as error:
+            raise EyasError.from_rpc(error, self.address) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | Sequence[int], **options) -> Result:
+        """Generate one completion and return it whole."""
+        tokens: list[int] = []
+        text: list[str] = []
+        for chunk in self.stream(prompt, **options):
+            tokens += chunk.token_ids
+            text.append(chunk.text)
+        return Result(chunk.request_id, tokens, "".join(text), chunk.finish_reason, chunk.stats)
+
+    def submit_job(self, in_jsonl: str | Path, out_jsonl: str | Path, progress: bool = True):
+        """Run a JSONL batch job (see `eyas.client.jobs`); returns its `JobReport`."""
+        from .jobs import run_job
+
+        return run_job(self, in_jsonl, out_jsonl, progress)
+
+    def _unary(self, method: str, request):
+        try:
+            return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise EyasError.from_rpc(error, self.address) from None
+
+    def status(self) -> dict:
+        """Pools (workers, their load, sessions and memory), request counts and acceptance so far."""
+        return message_to_dict(self._unary("Status", spb.StatusRequest()))
+
+    def scale(self, draft: int | None = None, target: int | None = None) -> dict:
+        """Resize the pools at run time; returns the status afterwards."""
+        request = spb.ScaleRequest()
+        if draft is not None:
+            request.draft = draft
+        if target is not None:
+            request.target = target
+        return message_to_dict(self._unary("Scale", request))
+
+    def health(self) -> dict:
+        return message_to_dict(self._unary("Health", spb.HealthRequest()))
+
+    def cancel(self, request_id: str) -> None:
+        self._unary("Cancel", spb.CancelRequest(ref={"request_id": request_id}))
+
+
+def message_to_dict(msg: Message) -> dict:
+    """Every field of a message as plain Python values (ints stay ints, maps become dicts)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            out[f.name] = dict(value)
+        elif f.is_repeated:
+            out[f.name] = [message_to_dict(v) if f.message_type is not None else v for v in value]
+        elif f.message_type is not None:
+            out[f.name] = message_to_dict(value)
+        else:
+            out[f.name] = value
+    return out

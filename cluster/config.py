@@ -1,0 +1,171 @@
+"""The service configuration (YAML): models, tree policy, pools, network, service limits, embedded Ray.
+
+Every section and key is checked on load; an unknown or ill-typed key is refused with its dotted
+name, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.assets import DEFAULT_DRAFTER, demo_model
+from eyas.tree import TreePolicy
+from eyas.actors.worker import DTYPES, WorkerSpec
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or has a bad value; the message names it."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of identical workers: how many, and what each one reserves from Ray."""
+
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    threads: int = 1
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle one worker reserves."""
+        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: float(v) for k, v in bundle.items() if v}
+
+    def check(self, name: str) -> None:
+        if type(self.replicas) is not int or self.replicas < 1:
+            raise ConfigError(f"pools.{name}.replicas: must be an integer >= 1, got {self.replicas!r}")
+        if type(self.threads) is not int or self.threads < 1:
+            raise ConfigError(f"pools.{name}.threads: must be an integer >= 1, got {self.threads!r}")
+        for key in ("num_cpus", "num_gpus"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"pools.{name}.{key}: must be a number >= 0, got {value!r}")
+        if not isinstance(self.resources, dict) or any(
+            not isinstance(v, (int, float)) or v < 0 for v in self.resources.values()
+        ):
+            raise ConfigError(f"pools.{name}.resources: must map resource names to numbers >= 0")
+        if not self.bundle():
+            raise ConfigError(f"pools.{name}: a worker must reserve some resource (num_cpus, num_gpus or resources)")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything `eyas serve` needs; see configs/local.yaml for the annotated default."""
+
+    target: str | None = None
+    drafter: str | None = None
+    dtype: str = "float32"
+    feature_layers: tuple[int, ...] | None = None
+    allow_manifest_mismatch: bool = False
+    tree: TreePolicy = TreePolicy()
+    draft_pool: PoolConfig = PoolConfig()
+    target_pool: PoolConfig = PoolConfig()
+    host: str = "127.0.0.1"
+    token: str | None = None
+    max_active: int = 32
+    rpc_timeout_s: float = 120.0
+    ready_timeout_s: float = 600.0
+    max_rebuilds: int = 8
+    ray_num_cpus: int | None = None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> "ServiceConfig":
+        """Read a YAML config (defaults when None), then apply keyword overrides of top-level fields."""
+        data = {}
+        if path is not None:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: the config must be a mapping of sections")
+        return replace(cls.from_dict(data), **overrides)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ServiceConfig":
+        sections = _take(data, "", {"models", "tree", "pools", "network", "service", "ray"})
+        models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "feature_layers", "allow_manifest_mismatch"})
+        pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
+        network = _take(sections.get("network") or {}, "network.", {"host", "token"})
+        service = _take(sections.get("service") or {}, "service.", {"max_active", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds"})
+        ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
+        try:
+            tree = TreePolicy.from_dict(sections.get("tree"))
+        except ValueError as exc:
+            raise ConfigError(f"tree.{exc}") from None
+        layers = models.get("feature_layers")
+        config = cls(
+            target=_path(models.get("target")),
+            drafter=_path(models.get("drafter")),
+            dtype=models.get("dtype", "float32"),
+            feature_layers=tuple(layers) if layers is not None else None,
+            allow_manifest_mismatch=bool(models.get("allow_manifest_mismatch", False)),
+            tree=tree,
+            draft_pool=_pool(pools.get("draft") or {}, "draft"),
+            target_pool=_pool(pools.get("target") or {}, "target"),
+            host=network.get("host", "127.0.0.1"),
+            token=network.get("token"),
+            **service,
+            ray_num_cpus=ray_section.get("num_cpus"),
+        )
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"models.dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        self.draft_pool.check("draft")
+        self.target_pool.check("target")
+        if type(self.max_active) is not int or self.max_active < 1:
+            raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
+        if type(self.max_rebuilds) is not int or self.max_rebuilds < 0:
+            raise ConfigError(f"service.max_rebuilds: must be an integer >= 0, got {self.max_rebuilds!r}")
+        for key in ("rpc_timeout_s", "ready_timeout_s"):
+            if not isinstance(getattr(self, key), (int, float)) or getattr(self, key) <= 0:
+                raise ConfigError(f"service.{key}: must be a positive number of seconds")
+
+    @property
+    def shared_token(self) -> str | None:
+        """The configured token, else EYAS_TOKEN from the environment."""
+        return self.token or os.environ.get("EYAS_TOKEN") or None
+
+    def models(self) -> tuple[str, str]:
+        """Absolute target and drafter directories (the bundled demo models when not configured)."""
+        target = self.target or str(demo_model("target"))
+        drafter = self.drafter or str(demo_model(DEFAULT_DRAFTER))
+        return str(Path(target).resolve()), str(Path(drafter).resolve())
+
+    def worker_spec(self, pool: PoolConfig) -> WorkerSpec:
+        target, drafter = self.models()
+        return WorkerSpec(
+            target=target,
+            drafter=drafter,
+            tree_limit=self.tree,
+            dtype=self.dtype,
+            feature_layers=self.feature_layers,
+            allow_manifest_mismatch=self.allow_manifest_mismatch,
+            host=self.host,
+            token=self.shared_token,
+            threads=pool.threads,
+        )
+
+
+def _take(section: Any, prefix: str, allowed: set[str]) -> dict:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: must be a mapping")
+    unknown = sorted(set(section) - allowed)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (expected one of {sorted(allowed)})")
+    return section
+
+
+def _pool(section: dict, name: str) -> PoolConfig:
+    allowed = {f.name for f in fields(PoolConfig)}
+    return PoolConfig(**_take(section, f"pools.{name}.", allowed))
+
+
+def _path(value: str | None) -> str | None:
+    return None if value is None else str(Path(value).expanduser().resolve())

@@ -1,0 +1,230 @@
+from eyas.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TreePolicy(_message.Message):
+    __slots__ = ("top_k", "depth", "budget")
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    top_k: int
+    depth: int
+    budget: int
+    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., budget: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AssumedOutcome(_message.Message):
+    __slots__ = ("accepted_tokens", "frontier_token")
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FRONTIER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    frontier_token: int
+    def __init__(self, accepted_tokens: _Optional[_Iterable[int]] = ..., frontier_token: _Optional[int] = ...) -> None: ...
+
+class FlattenedTree(_message.Message):
+    __slots__ = ("ref", "tokens", "parents", "depths", "positions", "mask", "retrieve", "draft_probs", "prefix_len", "assumed")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    tokens: _tensor_pb2.Tensor
+    parents: _tensor_pb2.Tensor
+    depths: _tensor_pb2.Tensor
+    positions: _tensor_pb2.Tensor
+    mask: _tensor_pb2.Tensor
+    retrieve: _tensor_pb2.Tensor
+    draft_probs: _tensor_pb2.Tensor
+    prefix_len: int
+    assumed: AssumedOutcome
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., depths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., positions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., retrieve: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefix_len: _Optional[int] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ...) -> None: ...
+
+class DraftStart(_message.Message):
+    __slots__ = ("ref", "features", "tokens")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    features: _tensor_pb2.Tensor
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Reseed(_message.Message):
+    __slots__ = ("ref", "features", "tokens")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    features: _tensor_pb2.Tensor
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("ref", "root_token", "policy", "reseed", "assumed")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    RESEED_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    root_token: int
+    policy: TreePolicy
+    reseed: Reseed
+    assumed: AssumedOutcome
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., reseed: _Optional[_Union[Reseed, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("ref", "tree", "nodes_expanded", "nodes_recorded", "draft_kv_bytes", "tree_seconds")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    NODES_EXPANDED_FIELD_NUMBER: _ClassVar[int]
+    NODES_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TREE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    tree: FlattenedTree
+    nodes_expanded: int
+    nodes_recorded: int
+    draft_kv_bytes: int
+    tree_seconds: float
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., nodes_expanded: _Optional[int] = ..., nodes_recorded: _Optional[int] = ..., draft_kv_bytes: _Optional[int] = ..., tree_seconds: _Optional[float] = ...) -> None: ...
+
+class Prefill(_message.Message):
+    __slots__ = ("ref", "tokens")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("ref", "features")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    features: _tensor_pb2.Tensor
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("ref", "accepted_rows")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    accepted_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("ref", "tree", "sampling", "commit")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    tree: FlattenedTree
+    sampling: SamplingParams
+    commit: Commit
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+
+class AcceptanceDecision(_message.Message):
+    __slots__ = ("ref", "accepted_rows", "accepted_tokens", "frontier_token", "frontier_prob", "draws", "accepted_features")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FRONTIER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FRONTIER_PROB_FIELD_NUMBER: _ClassVar[int]
+    DRAWS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    accepted_rows: _containers.RepeatedScalarFieldContainer[int]
+    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    frontier_token: int
+    frontier_prob: float
+    draws: _containers.RepeatedScalarFieldContainer[float]
+    accepted_features: _tensor_pb2.Tensor
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., frontier_token: _Optional[int] = ..., frontier_prob: _Optional[float] = ..., draws: _Optional[_Iterable[float]] = ..., accepted_features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class Expert(_message.Message):
+    __slots__ = ("layer", "expert")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
+
+class Verification(_message.Message):
+    __slots__ = ("ref", "decision", "experts", "branch_kv_bytes")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    decision: AcceptanceDecision
+    experts: _containers.RepeatedCompositeFieldContainer[Expert]
+    branch_kv_bytes: int
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., decision: _Optional[_Union[AcceptanceDecision, _Mapping]] = ..., experts: _Optional[_Iterable[_Union[Expert, _Mapping]]] = ..., branch_kv_bytes: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ...) -> None: ...
+
+class Released(_message.Message):
+    __slots__ = ("ref", "freed_kv_bytes")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    FREED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    freed_kv_bytes: int
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., freed_kv_bytes: _Optional[int] = ...) -> None: ...
+
+class WorkerHealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerHealth(_message.Message):
+    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "request_ids", "calls", "busy_seconds")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    manifest_id: str
+    sessions: int
+    kv_bytes: int
+    rss_bytes: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    calls: int
+    busy_seconds: float
+    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...

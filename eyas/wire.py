@@ -1,0 +1,202 @@
+"""The protobuf codec of the wire ABI: engine dataclasses and tensors <-> `eyas.v1` messages.
+
+Tensors travel as raw little-endian bytes with dtype and shape. Decoding checks every field it
+reads and raises `WireError` naming it; tree semantics are checked by `eyas.tree.validate_tree`
+and decisions by `validate_decision`. Imports protobuf only (no gRPC, no Ray), so the engine
+package stays usable without the service.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .proposer import Proposal
+from .request import make_sampling
+from .sampling import SamplingParams
+from .target import Verification
+from .tree import FlattenedTree, TreePolicy
+from .v1 import round_pb2 as pb
+from .v1 import tensor_pb2 as tpb
+from .verify import AcceptanceDecision
+
+# dtype name -> (torch dtype, same-width integer view, its little-endian numpy type)
+DTYPES = {
+    "bool": (torch.bool, torch.uint8, "<u1"),
+    "int32": (torch.int32, torch.int32, "<i4"),
+    "int64": (torch.int64, torch.int64, "<i8"),
+    "float16": (torch.float16, torch.int16, "<i2"),
+    "bfloat16": (torch.bfloat16, torch.int16, "<i2"),
+    "float32": (torch.float32, torch.int32, "<i4"),
+    "float64": (torch.float64, torch.int64, "<i8"),
+}
+DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _, _) in DTYPES.items()}
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+class WireError(ValueError):
+    """A message field cannot be decoded (dtype, shape, byte count, missing part); `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
+    """Raw little-endian bytes of a CPU tensor, with its dtype name and shape."""
+    name = DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise WireError("dtype", f"{tensor.dtype} has no wire encoding")
+    _, view, little = DTYPES[name]
+    data = tensor.detach().cpu().contiguous().view(view).numpy().astype(little, copy=False).tobytes()
+    return tpb.Tensor(dtype=name, shape=list(tensor.shape), data=data)
+
+
+def tensor_from_proto(msg: tpb.Tensor, field: str, dtypes: tuple[str, ...], ndim: int) -> torch.Tensor:
+    """Decode a tensor field, refusing a dtype outside `dtypes`, a rank other than `ndim`, or a wrong byte count."""
+    if msg.dtype not in dtypes:
+        raise WireError(f"{field}.dtype", f"{msg.dtype!r} is not one of {list(dtypes)}")
+    shape = tuple(msg.shape)
+    if len(shape) != ndim or any(d < 0 for d in shape):
+        raise WireError(f"{field}.shape", f"{list(shape)} is not a valid rank-{ndim} shape")
+    torch_dtype, view, little = DTYPES[msg.dtype]
+    itemsize = np.dtype(little).itemsize
+    expected = math.prod(shape) * itemsize
+    if len(msg.data) != expected:
+        raise WireError(f"{field}.data", f"{len(msg.data)} bytes for shape {list(shape)} of {msg.dtype} ({expected} expected)")
+    array = np.frombuffer(msg.data, dtype=little).astype(np.dtype(little).newbyteorder("="))
+    if torch_dtype == torch.bool and array.size and array.max() > 1:
+        raise WireError(f"{field}.data", "bool tensors hold only the bytes 0 and 1")
+    return torch.from_numpy(array).view(view).view(torch_dtype).reshape(shape)
+
+
+def ref(request_id: str, version: int, manifest_id: str) -> tpb.RequestRef:
+    return tpb.RequestRef(request_id=request_id, version=version, manifest_id=manifest_id)
+
+
+def policy_to_proto(policy: TreePolicy) -> pb.TreePolicy:
+    return pb.TreePolicy(top_k=policy.top_k, depth=policy.depth, budget=policy.budget)
+
+
+def policy_from_proto(msg: pb.TreePolicy) -> TreePolicy:
+    """A tree policy; out-of-range knobs raise `TreeError` naming the knob."""
+    return TreePolicy(top_k=msg.top_k, depth=msg.depth, budget=msg.budget)
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(**params.to_dict())
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Sampling options from the fields present; bad values raise `RequestError` naming the option."""
+    return make_sampling(**{f.name: value for f, value in msg.ListFields()})
+
+
+def tree_to_proto(tree: FlattenedTree, request: tpb.RequestRef) -> pb.FlattenedTree:
+    return pb.FlattenedTree(
+        ref=request,
+        tokens=tensor_to_proto(tree.tokens),
+        parents=tensor_to_proto(tree.parents),
+        depths=tensor_to_proto(tree.depths),
+        positions=tensor_to_proto(tree.positions),
+        mask=tensor_to_proto(tree.mask),
+        retrieve=tensor_to_proto(tree.retrieve),
+        draft_probs=tensor_to_proto(tree.draft_probs),
+        prefix_len=tree.prefix_len,
+    )
+
+
+def tree_from_proto(msg: pb.FlattenedTree) -> FlattenedTree:
+    """Decode the tensors of a tree; its structure is checked separately with `validate_tree`."""
+    ints = ("int64",)
+    return FlattenedTree(
+        tokens=tensor_from_proto(msg.tokens, "tree.tokens", ints, 1),
+        parents=tensor_from_proto(msg.parents, "tree.parents", ints, 1),
+        depths=tensor_from_proto(msg.depths, "tree.depths", ints, 1),
+        positions=tensor_from_proto(msg.positions, "tree.positions", ints, 1),
+        mask=tensor_from_proto(msg.mask, "tree.mask", ("bool",), 2),
+        retrieve=tensor_from_proto(msg.retrieve, "tree.retrieve", ints, 2),
+        draft_probs=tensor_from_proto(msg.draft_probs, "tree.draft_probs", ("float64",), 1),
+        prefix_len=msg.prefix_len,
+    )
+
+
+def features_from_proto(msg: tpb.Tensor, field: str, rows: int, width: int) -> torch.Tensor:
+    """Decode a [rows, width] floating-point feature block."""
+    features = tensor_from_proto(msg, field, FLOATS, 2)
+    if tuple(features.shape) != (rows, width):
+        raise WireError(f"{field}.shape", f"{list(features.shape)} is not [{rows}, {width}]")
+    return features
+
+
+def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.Proposal:
+    return pb.Proposal(
+        ref=request,
+        tree=tree_to_proto(proposal.tree, request),
+        nodes_expanded=proposal.nodes_expanded,
+        nodes_recorded=proposal.nodes_recorded,
+        draft_kv_bytes=proposal.draft_kv_bytes,
+        tree_seconds=proposal.tree_seconds,
+    )
+
+
+def proposal_from_proto(msg: pb.Proposal) -> Proposal:
+    return Proposal(
+        tree=tree_from_proto(msg.tree),
+        nodes_expanded=msg.nodes_expanded,
+        nodes_recorded=msg.nodes_recorded,
+        draft_kv_bytes=msg.draft_kv_bytes,
+        tree_seconds=msg.tree_seconds,
+    )
+
+
+def verification_to_proto(verification: Verification, request: tpb.RequestRef) -> pb.Verification:
+    d = verification.decision
+    decision = pb.AcceptanceDecision(
+        ref=request,
+        accepted_rows=d.accepted_rows,
+        accepted_tokens=d.accepted_tokens,
+        frontier_token=d.frontier_token,
+        frontier_prob=d.frontier_prob,
+        draws=d.draws,
+        accepted_features=tensor_to_proto(verification.features),
+    )
+    return pb.Verification(
+        ref=request,
+        decision=decision,
+        experts=[pb.Expert(layer=layer, expert=expert) for layer, expert in sorted(verification.experts)],
+        branch_kv_bytes=verification.branch_kv_bytes,
+    )
+
+
+def verification_from_proto(msg: pb.Verification, feature_width: int) -> Verification:
+    d = msg.decision
+    decision = AcceptanceDecision(
+        accepted_rows=tuple(d.accepted_rows),
+        accepted_tokens=tuple(d.accepted_tokens),
+        frontier_token=d.frontier_token,
+        frontier_prob=d.frontier_prob,
+        draws=tuple(d.draws),
+    )
+    features = features_from_proto(d.accepted_features, "decision.accepted_features", len(d.accepted_rows), feature_width)
+    experts = frozenset((e.layer, e.expert) for e in msg.experts)
+    return Verification(decision, features, experts, msg.branch_kv_bytes)
+
+
+def validate_decision(decision: AcceptanceDecision, tree: FlattenedTree, vocab_size: int) -> None:
+    """Receipt check of a decision against the tree it decides: one root-to-node path, its tokens, the frontier."""
+    rows = list(decision.accepted_rows)
+    if not rows or rows[0] != 0 or any(not 0 <= r < tree.num_rows for r in rows):
+        raise WireError("decision.accepted_rows", f"{rows} is not a path of the tree's {tree.num_rows} rows")
+    parents = tree.parents.tolist()
+    if any(parents[child] != parent for parent, child in zip(rows, rows[1:])):
+        raise WireError("decision.accepted_rows", f"{rows} is not a root-to-node path")
+    tokens = tree.tokens.tolist()
+    if list(decision.accepted_tokens) != [tokens[r] for r in rows[1:]]:
+        raise WireError("decision.accepted_tokens", "tokens do not match the tree rows of the accepted path")
+    if not 0 <= decision.frontier_token < vocab_size:
+        raise WireError("decision.frontier_token", f"{decision.frontier_token} is outside the vocabulary [0, {vocab_size})")
+    if not 0.0 <= decision.frontier_prob <= 1.0:
+        raise WireError("decision.frontier_prob", f"{decision.frontier_prob} is not a probability")
