@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 
@@ -19,9 +20,9 @@ def _quiet_loading() -> None:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
-    parser.add_argument("--top-k", type=int, default=8, help="tree expansion width (default 8)")
-    parser.add_argument("--depth", type=int, default=5, help="tree depth (default 5)")
-    parser.add_argument("--budget", type=int, default=32, help="verify budget, candidate nodes besides the root (default 32)")
+    parser.add_argument("--top-k", type=int, help="tree expansion width (default 8)")
+    parser.add_argument("--depth", type=int, help="tree depth (default 5)")
+    parser.add_argument("--budget", type=int, help="verify budget, candidate nodes besides the root (default 32)")
     parser.add_argument(
         "--allow-manifest-mismatch",
         action="store_true",
@@ -42,17 +43,87 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str]:
     return str(args.target or demo_model("target")), str(args.drafter or demo_model(DEFAULT_DRAFTER))
 
 
+def tree_args(args: argparse.Namespace) -> dict:
+    """The tree knobs given on the command line (the others keep their defaults)."""
+    knobs = {"top_k": args.top_k, "depth": args.depth, "budget": args.budget}
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
+def add_server_args(parser: argparse.ArgumentParser, default: str | None = "127.0.0.1:50051") -> None:
+    where = f"default {default}" if default else "default: start an embedded local service for this call"
+    parser.add_argument("--server", default=default, help=f"address of a running `eyas serve` ({where})")
+    parser.add_argument("--token", help="shared token the service requires (default: $EYAS_TOKEN)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate one completion in this process and print it (or a JSON record with statistics)."""
+    """Generate one completion through the service (a running one with --server, else an embedded local one),
+    or in this process with --local; print it as it is generated (or a JSON record with statistics)."""
+    return generate_local(args) if args.local else generate_service(args)
+
+
+def generate_service(args: argparse.Namespace) -> int:
+    from eyas.client.client import Client
+
+    if args.server:
+        with Client(args.server, token=args.token) as client:
+            return _print_generation(client, args, client.health()["manifest_id"], tree_args(args))
+    from eyas.cluster.config import ServiceConfig
+    from eyas.cluster.service import Service
+
+    config = ServiceConfig.load(args.config)
+    overrides = {"target": args.target, "drafter": args.drafter}
+    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    config = replace(config, tree=replace(config.tree, **tree_args(args)))
+    if args.allow_manifest_mismatch:
+        config = replace(config, allow_manifest_mismatch=True)
+    with Service(config, port=0) as service, Client(service.address, token=config.shared_token) as client:
+        return _print_generation(client, args, client.health()["manifest_id"], None)
+
+
+def _print_generation(client, args: argparse.Namespace, manifest_id: str, tree: dict | None) -> int:
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.sample_top_k,
+        seed=args.seed,
+        stop=args.stop,
+        tree={"top_k": 8, "depth": 5, "budget": 32, **tree} if tree else None,
+    )
+    tokens, text = [], []
+    for chunk in client.stream(args.prompt, **options):
+        tokens += chunk.token_ids
+        text.append(chunk.text)
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    stats = chunk.stats
+    if args.json:
+        record = {
+            "prompt": args.prompt,
+            "token_ids": tokens,
+            "text": "".join(text),
+            "finish_reason": chunk.finish_reason,
+            "manifest_id": manifest_id,
+            "stats": stats,
+        }
+        print(json.dumps(record))
+    else:
+        print(
+            f"\n[{len(tokens)} tokens, {stats['rounds']} rounds, {stats['mean_accept_length']:.2f} tokens per target "
+            f"forward, finish: {chunk.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def generate_local(args: argparse.Namespace) -> int:
     from eyas import Engine
 
     _quiet_loading()
     target, drafter = resolve_models(args)
     engine = Engine.from_pretrained(
-        target,
-        drafter,
-        tree={"top_k": args.top_k, "depth": args.depth, "budget": args.budget},
-        allow_manifest_mismatch=args.allow_manifest_mismatch,
+        target, drafter, tree=tree_args(args), allow_manifest_mismatch=args.allow_manifest_mismatch
     )
     tokenizer = engine.target.tokenizer
 
@@ -129,6 +200,68 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
+    and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
+    from eyas.cluster.config import ServiceConfig
+    from eyas.cluster.service import serve
+
+    _quiet_loading()
+    serve(ServiceConfig.load(args.config), args.address, args.port, lambda address: print(f"eyas ready at {address}", flush=True))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Run a JSONL batch job on a running service; resumable (ids already in the output are skipped).
+    Input lines: {"id", "prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}."""
+    from eyas.client.client import Client
+
+    with Client(args.server, token=args.token) as client:
+        report = client.submit_job(args.input, args.output, progress=not args.no_progress)
+    for error in report.errors:
+        where = f"line {error['line']}" + (f" (id {error['id']})" if error.get("id") else "")
+        print(f"eyas submit: {where}: {error['code']}: {error['message']}", file=sys.stderr)
+    print(f"{report.written} written, {report.skipped} skipped (already done), {len(report.errors)} failed", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Show a running service's pools (workers, load, sessions, memory), requests and acceptance so far."""
+    from eyas.client.client import Client
+
+    with Client(args.server, token=args.token) as client:
+        status = client.status()
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Resize a running service's draft and/or target pool without failing requests."""
+    from eyas.client.client import Client
+
+    if args.draft is None and args.target is None:
+        raise ValueError("give --draft N and/or --target M")
+    with Client(args.server, token=args.token) as client:
+        print(format_status(client.scale(draft=args.draft, target=args.target)))
+    return 0
+
+
+def format_status(status: dict) -> str:
+    lines = [
+        f"manifest {status['manifest_id']}  requests: {status['active']} active, {status['queued']} queued, "
+        f"{status['completed']} completed, {status['failed']} failed  tokens {status['tokens']}  "
+        f"tokens/forward {status['mean_accept_length']:.2f}"
+    ]
+    for pool in status["pools"]:
+        lines.append(f"{pool['name']} pool: size {pool['size']}")
+        for w in pool["workers"]:
+            lines.append(
+                f"  {w['worker_id']:<10} {w['state']:<8} {w['address']:<21} node {w['node_id'][:8]}  assigned {w['assigned']}  "
+                f"sessions {w['sessions']}  kv {w['kv_bytes'] / 2**20:.1f} MiB  rss {w['rss_bytes'] / 2**20:.0f} MiB"
+            )
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE speculative decoding: engine, service and tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,7 +271,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON record with token ids and statistics")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of the service")
+    gen.add_argument("--config", help="service config for the embedded service (default: configs/local.yaml settings)")
+    add_server_args(gen, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run the draft/verify service", description=cmd_serve.__doc__)
+    serve.add_argument("--config", help="service YAML: models, tree policy, pools, network (see configs/local.yaml)")
+    serve.add_argument("--address", help="join the Ray cluster at this address instead of starting an embedded one")
+    serve.add_argument("--port", type=int, default=50051, help="front door port on 127.0.0.1 (default 50051; 0 picks one)")
+    serve.set_defaults(func=cmd_serve)
+
+    submit = sub.add_parser("submit", help="run a JSONL batch job", description=cmd_submit.__doc__)
+    submit.add_argument("input", help="JSONL file of requests")
+    submit.add_argument("output", help="JSONL file results are appended to")
+    submit.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_server_args(submit)
+    submit.set_defaults(func=cmd_submit)
+
+    status = sub.add_parser("status", help="show pools, load and acceptance", description=cmd_status.__doc__)
+    status.add_argument("--json", action="store_true", help="print the full status as JSON")
+    add_server_args(status)
+    status.set_defaults(func=cmd_status)
+
+    scale = sub.add_parser("scale", help="resize the pools", description=cmd_scale.__doc__)
+    scale.add_argument("--draft", type=int, help="draft pool size")
+    scale.add_argument("--target", type=int, help="target pool size")
+    add_server_args(scale)
+    scale.set_defaults(func=cmd_scale)
 
     train = sub.add_parser("train", help="train a drafter from a recipe", description=cmd_train.__doc__)
     train.add_argument("--config", required=True, help="recipe YAML (see configs/train/)")
@@ -166,11 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eyas.client.client import EyasError
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except EyasError as exc:
+        print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

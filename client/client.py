@@ -1,6 +1,6 @@
 """The Python client of a running eyas service: generate, stream, batch jobs, status, scaling.
 
-Needs only gRPC and protobuf (no Ray, no torch). Failures raise `EyasError` with the status code
+Talks gRPC only (no Ray in the client process). Failures raise `EyasError` with the status code
 and the field the service named.
 """
 
