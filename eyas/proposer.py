@@ -118,50 +118,41 @@ class DraftSession:
             return Proposal(flatten(tree, [], prefix_len), 0, 1, 0)
 
         states = {0: self.root_state}  # node -> drafter output predicting its children
-        draft_row: dict[int, int] = {}  # expanded node -> its provisional row in draft KV
+        path_rows: dict[int, list[int]] = {0: []}  # expanded node -> provisional draft-KV rows of its path
         expanded_count = 0
         expanded = [0]
         tree_seconds = 0.0
         for depth in range(policy.depth):
             if depth > 0:
                 expanded = tree.expandable(policy.top_k)
-                out = self._expand(tree, expanded, states, draft_row, prefix_len)  # [Q, d]
+                out = self._expand(tree, expanded, states, path_rows, prefix_len)  # [Q, d]
                 expanded_count += len(expanded)
                 states.update(zip(expanded, out))
             tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in expanded]), policy.top_k)
             start = time.perf_counter()
-            children = [
-                (node, tok, p)
-                for node, toks, ps in zip(expanded, tokens.tolist(), probs.tolist())
-                for tok, p in zip(toks, ps)
-            ]
-            tree.add_children(expanded, children)
+            parents = torch.tensor(expanded).repeat_interleave(tokens.shape[1])
+            tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten())
             tree_seconds += time.perf_counter() - start
         start = time.perf_counter()
         flat = flatten(tree, tree.select(policy.budget), prefix_len)
         tree_seconds += time.perf_counter() - start
-        return Proposal(flat, expanded_count, len(tree), self.kv.nbytes(len(draft_row)), tree_seconds)
+        return Proposal(flat, expanded_count, len(tree), self.kv.nbytes(expanded_count), tree_seconds)
 
     def _expand(
         self,
         tree: DraftTree,
         nodes: list[int],
         states: dict[int, torch.Tensor],
-        draft_row: dict[int, int],
+        path_rows: dict[int, list[int]],
         prefix_len: int,
     ) -> torch.Tensor:
         """Run the drafter on tree nodes: each sees the committed rows, its draft ancestors and itself."""
         base = len(self.kv)
-        q = len(nodes)
-        mask = torch.zeros(q, base + q, dtype=torch.bool)
+        mask = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
         mask[:, : self.committed] = True
         for i, node in enumerate(nodes):
-            parent = tree.parents[node]
-            while parent > 0:
-                mask[i, self.committed + draft_row[parent]] = True
-                parent = tree.parents[parent]
-            mask[i, base + i] = True
-            draft_row[node] = base - self.committed + i
+            path_rows[node] = path_rows[tree.parents[node]] + [base + i]
+            mask[i, path_rows[node]] = True
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
         tokens = torch.tensor([tree.tokens[n] for n in nodes])
         positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])

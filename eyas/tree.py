@@ -59,7 +59,11 @@ class TreePolicy:
 
 
 class DraftTree:
-    """Expansion records of one round: node 0 is the root; every other node has a parent, token and confidence."""
+    """Expansion records of one round: node 0 is the root; every other node has a parent, token and confidence.
+
+    Nodes are added one frontier at a time, so node ids never decrease with depth: a stable sort by
+    path value alone then realises the full tie rule (higher value, then shallower, then earlier id).
+    """
 
     def __init__(self, root_token: int):
         self.tokens = [int(root_token)]
@@ -72,47 +76,70 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def rank_key(self, node: int) -> tuple[float, int, int]:
-        """Global order: higher path value first, then shallower, then earlier node id (0x06A tie rule)."""
-        return (-self.log_values[node], self.depths[node], node)
+    def ranked(self, nodes: list[int]) -> list[int]:
+        """`nodes` in global order: higher path value first, then shallower, then earlier id (0x06A tie rule)."""
+        values = torch.tensor([self.log_values[n] for n in nodes], dtype=torch.float64)
+        order = torch.argsort(-values, stable=True)
+        return [nodes[i] for i in order.tolist()]
 
     def expandable(self, width: int) -> list[int]:
         """The `width` highest-value nodes of the latest frontier: the ones the drafter expands next."""
-        return sorted(self.frontier, key=self.rank_key)[:width]
+        return self.ranked(self.frontier)[:width]
 
     def add_children(self, expanded: list[int], children: list[tuple[int, int, float]]) -> list[int]:
-        """Record `(parent, token, confidence)` children of the `expanded` nodes; they become the new frontier.
+        """Record `(parent, token, confidence)` children of the `expanded` nodes; they become the new frontier."""
+        if not children:
+            return self.add_expansion(expanded, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0))
+        parents, tokens, confidences = zip(*children)
+        return self.add_expansion(
+            expanded,
+            torch.tensor(parents, dtype=torch.long),
+            torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(confidences, dtype=torch.float64),
+        )
 
-        Validates all records before storing any, so a rejected expansion leaves the tree unchanged.
-        """
-        allowed = set(expanded)
-        seen: set[tuple[int, int]] = set()
-        mass: dict[int, float] = {}
-        for parent, token, confidence in children:
-            if parent not in allowed:
-                raise TreeError("parent", f"node {parent} is not in the expanded frontier {sorted(allowed)}")
-            if not math.isfinite(confidence) or not 0.0 <= confidence <= 1.0:
-                raise TreeError("confidence", f"must be a finite probability, got {confidence!r}")
-            if (parent, token) in seen:
-                raise TreeError("token", f"duplicate token {token} under parent node {parent}")
-            seen.add((parent, token))
-            mass[parent] = mass.get(parent, 0.0) + confidence
-            if mass[parent] > 1.0 + MASS_SLACK:
-                raise TreeError("confidence", f"sibling probability mass under node {parent} exceeds one")
-        added = []
-        for parent, token, confidence in children:
-            added.append(len(self.tokens))
-            self.tokens.append(int(token))
-            self.parents.append(parent)
-            self.depths.append(self.depths[parent] + 1)
-            self.confidences.append(float(confidence))
-            self.log_values.append(self.log_values[parent] + math.log(max(confidence, LOG_FLOOR)))
+    def add_expansion(
+        self, expanded: list[int], parents: torch.Tensor, tokens: torch.Tensor, confidences: torch.Tensor
+    ) -> list[int]:
+        """Vectorised `add_children`: parents, tokens, confidences [n]. All records are validated before any
+        is stored, so a rejected expansion leaves the tree unchanged."""
+        outside = sorted(set(expanded) - set(self.frontier))
+        if outside:
+            raise TreeError("parent", f"expanded node {outside[0]} is not in the latest frontier")
+        stray = ~torch.isin(parents, torch.tensor(expanded, dtype=torch.long))
+        if stray.any():
+            raise TreeError("parent", f"node {int(parents[stray][0])} is not in the expanded frontier {sorted(expanded)}")
+        c = confidences.to(torch.float64)
+        bad = ~torch.isfinite(c) | (c < 0) | (c > 1)
+        if bad.any():
+            raise TreeError("confidence", f"must be a finite probability, got {float(c[bad][0])!r}")
+        if (tokens < 0).any():
+            raise TreeError("token", f"token id {int(tokens[tokens < 0][0])} is negative")
+        width = int(tokens.max()) + 1 if len(tokens) else 1
+        keys = torch.sort(parents * width + tokens).values  # one key per (parent, token) pair
+        repeated = keys[1:] == keys[:-1]
+        if repeated.any():
+            key = int(keys[1:][repeated][0])
+            raise TreeError("token", f"duplicate token {key % width} under parent node {key // width}")
+        mass = torch.zeros(len(self), dtype=torch.float64).index_add_(0, parents, c)
+        if (mass > 1.0 + MASS_SLACK).any():
+            parent = int((mass > 1.0 + MASS_SLACK).nonzero()[0])
+            raise TreeError("confidence", f"sibling probability mass under node {parent} exceeds one")
+        parent_list = parents.tolist()
+        log_values = torch.tensor([self.log_values[p] for p in parent_list], dtype=torch.float64)
+        log_values += torch.log(c.clamp(min=LOG_FLOOR))
+        added = list(range(len(self), len(self) + len(parent_list)))
+        self.tokens += tokens.tolist()
+        self.parents += parent_list
+        self.depths += [self.depths[p] + 1 for p in parent_list]
+        self.confidences += c.tolist()
+        self.log_values += log_values.tolist()
         self.frontier = added
         return added
 
     def select(self, budget: int) -> list[int]:
         """The best `budget` non-root nodes in global order; every prefix of that order is ancestor-closed."""
-        return sorted(range(1, len(self.tokens)), key=self.rank_key)[:budget]
+        return self.ranked(list(range(1, len(self))))[:budget]
 
 
 @dataclass
@@ -155,26 +182,33 @@ class FlattenedTree:
 def ancestry_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children)."""
     n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            mask[i] = mask[p]
-        mask[i, i] = True
+    up = torch.tensor(parents, dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool)
+    rows = torch.arange(n)
+    current = up.clone()
+    while (current >= 0).any():  # pointer jumping: one tree level per pass
+        live = current >= 0
+        mask[rows[live], current[live]] = True
+        current = torch.where(live, up[current.clamp(min=0)], -1)
     return mask
 
 
 def retrieve_paths(parents: list[int]) -> torch.Tensor:
     """[L, max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1."""
-    has_child = set(parents)
-    leaves = [i for i in range(len(parents)) if i not in has_child]
-    paths = []
-    for leaf in leaves:
-        path = [leaf]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        paths.append(path[::-1])
-    width = max(len(p) for p in paths)
-    return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
+    up = torch.tensor(parents, dtype=torch.long)
+    n = len(parents)
+    is_parent = torch.zeros(n, dtype=torch.bool)
+    is_parent[up[up >= 0]] = True
+    leaves = (~is_parent).nonzero().flatten()
+    depth = ancestry_mask(parents).sum(dim=1) - 1  # [N]
+    paths = torch.full((len(leaves), int(depth.max()) + 1), -1, dtype=torch.long)
+    current = leaves.clone()
+    line = torch.arange(len(leaves))
+    while (current >= 0).any():
+        live = current >= 0
+        paths[line[live], depth[current[live]]] = current[live]
+        current = torch.where(live, up[current.clamp(min=0)], -1)
+    return paths
 
 
 def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedTree:
