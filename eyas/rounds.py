@@ -36,7 +36,10 @@ class Verifying(Protocol):
 
 @dataclass
 class RoundRecord:
-    """Everything one round produced and cost; the basis of stats, metrics and traces."""
+    """Everything one round produced and cost; the basis of stats, metrics and traces.
+
+    `features` are the accepted rows' target features: with the decision, what the target sends back.
+    """
 
     version: int
     tree: FlattenedTree
@@ -48,6 +51,7 @@ class RoundRecord:
     target_kv_bytes: int
     experts: frozenset[tuple[int, int]]
     seconds: dict[str, float] = field(default_factory=dict)
+    features: torch.Tensor | None = None
 
 
 def start(request: RequestState, draft: Drafting, target: Verifying) -> None:
@@ -83,4 +87,5 @@ def run_round(request: RequestState, draft: Drafting, target: Verifying, policy:
             "verify": t2 - t1,
             "publish": t3 - t2,
         },
+        features=verification.features,
     )

@@ -242,14 +242,19 @@ class TargetSession:
         self.committed = n
         return out.features
 
-    def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
-        """Verify a tree built on `version`: its rows stay provisional until `commit`."""
+    def verify(
+        self, tree: FlattenedTree, version: int, params: SamplingParams, draws: torch.Tensor | None = None
+    ) -> Verification:
+        """Verify a tree built on `version`: its rows stay provisional until `commit`.
+
+        `draws` replaces the round's own uniforms, as a trace replay does with the recorded ones.
+        """
         self._check_version(version)
         validate_tree(tree, vocab_size=self.model.vocab_size, prefix_len=self.committed)
         self._drop_provisional()
         out = self.model.forward(tree.tokens, tree.positions, tree.mask, self.cache)
         self.provisional = tree.num_rows
-        decision = decide(tree, out.logits, params, version)
+        decision = decide(tree, out.logits, params, version, draws)
         rows = torch.tensor(decision.accepted_rows, dtype=torch.long)
         return Verification(decision, out.features[rows], out.experts, self.kv_bytes(tree.num_rows))
 

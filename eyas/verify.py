@@ -20,6 +20,8 @@ class AcceptanceDecision:
 
     `draws` are the uniforms the sampler consumed, in order (empty for greedy), so a round replays bit for bit.
     `frontier_prob` is the target probability of the frontier token under the distribution it was drawn from.
+    `token_probs[i]` is the target probability of row i's token under its parent row's distribution (1 for the
+    root), so a recorded round shows how much the target liked every node it was offered.
     """
 
     accepted_rows: tuple[int, ...]
@@ -27,11 +29,17 @@ class AcceptanceDecision:
     frontier_token: int
     frontier_prob: float
     draws: tuple[float, ...] = ()
+    token_probs: tuple[float, ...] = ()
 
     @property
     def num_accepted(self) -> int:
         """Draft tokens accepted this round (the root is not a draft)."""
         return len(self.accepted_tokens)
+
+
+def node_probs(tree: FlattenedTree, probs: torch.Tensor) -> tuple[float, ...]:
+    """Target probability of each row's token under its parent row's distribution (1 for the root); probs: [N, V]."""
+    return (1.0, *probs[tree.parents[1:], tree.tokens[1:]].tolist())
 
 
 def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> AcceptanceDecision:
@@ -49,7 +57,8 @@ def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> AcceptanceDeci
         rows.append(match[0])
     frontier = best[rows[-1]]
     prob = torch.softmax(logits[rows[-1]].to(torch.float64), dim=-1)[frontier].item()
-    return AcceptanceDecision(tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob)
+    probs = node_probs(tree, torch.softmax(logits.to(torch.float64), dim=-1))
+    return AcceptanceDecision(tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob, (), probs)
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:
@@ -90,12 +99,19 @@ def sampled_decision(tree: FlattenedTree, probs: torch.Tensor, draws: torch.Tens
             prob = residual[frontier].item()
             break
         rows.append(accepted)
-    return AcceptanceDecision(tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob, tuple(used))
+    accepted = tuple(tokens[r] for r in rows[1:])
+    return AcceptanceDecision(tuple(rows), accepted, frontier, prob, tuple(used), node_probs(tree, probs))
 
 
-def decide(tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams, version: int) -> AcceptanceDecision:
-    """The acceptance decision of the round building on `version`, greedy or sampled per `params`."""
+def decide(
+    tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams, version: int, draws: torch.Tensor | None = None
+) -> AcceptanceDecision:
+    """The acceptance decision of the round building on `version`, greedy or sampled per `params`.
+
+    `draws` replaces the round's own uniforms (a trace replay passes the recorded ones); at least N of them.
+    """
     if params.greedy:
         return greedy_decision(tree, logits)
-    draws = round_draws(params.seed, version, tree.num_rows)
+    if draws is None:
+        draws = round_draws(params.seed, version, tree.num_rows)
     return sampled_decision(tree, target_probs(logits, params), draws)

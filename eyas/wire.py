@@ -152,20 +152,36 @@ def proposal_from_proto(msg: pb.Proposal) -> Proposal:
     )
 
 
-def verification_to_proto(verification: Verification, request: tpb.RequestRef) -> pb.Verification:
-    d = verification.decision
-    decision = pb.AcceptanceDecision(
+def decision_to_proto(d: AcceptanceDecision, features: torch.Tensor, request: tpb.RequestRef) -> pb.AcceptanceDecision:
+    """A decision with the accepted rows' target features [len(accepted_rows), F]."""
+    return pb.AcceptanceDecision(
         ref=request,
         accepted_rows=d.accepted_rows,
         accepted_tokens=d.accepted_tokens,
         frontier_token=d.frontier_token,
         frontier_prob=d.frontier_prob,
         draws=d.draws,
-        accepted_features=tensor_to_proto(verification.features),
+        accepted_features=tensor_to_proto(features),
+        token_probs=d.token_probs,
     )
+
+
+def decision_from_proto(d: pb.AcceptanceDecision) -> AcceptanceDecision:
+    """The decision's fields (its accepted features are decoded separately, against the feature width)."""
+    return AcceptanceDecision(
+        accepted_rows=tuple(d.accepted_rows),
+        accepted_tokens=tuple(d.accepted_tokens),
+        frontier_token=d.frontier_token,
+        frontier_prob=d.frontier_prob,
+        draws=tuple(d.draws),
+        token_probs=tuple(d.token_probs),
+    )
+
+
+def verification_to_proto(verification: Verification, request: tpb.RequestRef) -> pb.Verification:
     return pb.Verification(
         ref=request,
-        decision=decision,
+        decision=decision_to_proto(verification.decision, verification.features, request),
         experts=[pb.Expert(layer=layer, expert=expert) for layer, expert in sorted(verification.experts)],
         branch_kv_bytes=verification.branch_kv_bytes,
     )
@@ -173,13 +189,7 @@ def verification_to_proto(verification: Verification, request: tpb.RequestRef) -
 
 def verification_from_proto(msg: pb.Verification, feature_width: int) -> Verification:
     d = msg.decision
-    decision = AcceptanceDecision(
-        accepted_rows=tuple(d.accepted_rows),
-        accepted_tokens=tuple(d.accepted_tokens),
-        frontier_token=d.frontier_token,
-        frontier_prob=d.frontier_prob,
-        draws=tuple(d.draws),
-    )
+    decision = decision_from_proto(d)
     features = features_from_proto(d.accepted_features, "decision.accepted_features", len(d.accepted_rows), feature_width)
     experts = frozenset((e.layer, e.expert) for e in msg.experts)
     return Verification(decision, features, experts, msg.branch_kv_bytes)
@@ -200,3 +210,7 @@ def validate_decision(decision: AcceptanceDecision, tree: FlattenedTree, vocab_s
         raise WireError("decision.frontier_token", f"{decision.frontier_token} is outside the vocabulary [0, {vocab_size})")
     if not 0.0 <= decision.frontier_prob <= 1.0:
         raise WireError("decision.frontier_prob", f"{decision.frontier_prob} is not a probability")
+    if decision.token_probs and len(decision.token_probs) != tree.num_rows:
+        raise WireError("decision.token_probs", f"{len(decision.token_probs)} values for {tree.num_rows} rows")
+    if any(not 0.0 <= p <= 1.0 for p in decision.token_probs):
+        raise WireError("decision.token_probs", "values must be probabilities")

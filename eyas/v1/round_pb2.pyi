@@ -148,7 +148,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
 
 class AcceptanceDecision(_message.Message):
-    __slots__ = ("ref", "accepted_rows", "accepted_tokens", "frontier_token", "frontier_prob", "draws", "accepted_features")
+    __slots__ = ("ref", "accepted_rows", "accepted_tokens", "frontier_token", "frontier_prob", "draws", "accepted_features", "token_probs")
     REF_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_ROWS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class AcceptanceDecision(_message.Message):
     FRONTIER_PROB_FIELD_NUMBER: _ClassVar[int]
     DRAWS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     accepted_rows: _containers.RepeatedScalarFieldContainer[int]
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -163,7 +164,8 @@ class AcceptanceDecision(_message.Message):
     frontier_prob: float
     draws: _containers.RepeatedScalarFieldContainer[float]
     accepted_features: _tensor_pb2.Tensor
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., frontier_token: _Optional[int] = ..., frontier_prob: _Optional[float] = ..., draws: _Optional[_Iterable[float]] = ..., accepted_features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    token_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., frontier_token: _Optional[int] = ..., frontier_prob: _Optional[float] = ..., draws: _Optional[_Iterable[float]] = ..., accepted_features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Expert(_message.Message):
     __slots__ = ("layer", "expert")

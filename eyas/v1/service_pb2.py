@@ -26,7 +26,7 @@ from eyas.v1 import round_pb2 as eyas_dot_v1_dot_round__pb2
 from eyas.v1 import tensor_pb2 as eyas_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65yas/v1/service.proto\x12\x07\x65yas.v1\x1a\x13\x65yas/v1/round.proto\x1a\x14\x65yas/v1/tensor.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x9c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bmanifest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.eyas.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.eyas.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12!\n\x04tree\x18\t \x01(\x0b\x32\x13.eyas.v1.TreePolicyB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"\xf8\x02\n\x0cRequestStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x17\n\x0ftarget_forwards\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12!\n\x19\x61\x63\x63\x65pted_length_histogram\x18\x04 \x03(\x03\x12\x1a\n\x12mean_accept_length\x18\x05 \x01(\x01\x12\x33\n\x07seconds\x18\x06 \x03(\x0b\x32\".eyas.v1.RequestStats.SecondsEntry\x12\x42\n\x0fservice_seconds\x18\x07 \x03(\x0b\x32).eyas.v1.RequestStats.ServiceSecondsEntry\x12\x10\n\x08rebuilds\x18\x08 \x01(\x03\x1a.\n\x0cSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13ServiceSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8c\x01\n\nTokenChunk\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.eyas.v1.RequestRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05stats\x18\x05 \x01(\x0b\x32\x15.eyas.v1.RequestStats\"@\n\x07JobItem\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.eyas.v1.GenerateRequest\"8\n\x08JobError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb9\x01\n\tJobResult\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x03ref\x18\x02 \x01(\x0b\x32\x13.eyas.v1.RequestRef\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12$\n\x05stats\x18\x06 \x01(\x0b\x32\x15.eyas.v1.RequestStats\x12 \n\x05\x65rror\x18\x07 \x01(\x0b\x32\x11.eyas.v1.JobError\"1\n\rCancelRequest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.eyas.v1.RequestRef\"/\n\x0b\x43\x61ncelReply\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.eyas.v1.RequestRef\"\x0f\n\rStatusRequest\"\xcd\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08\x61ssigned\x18\x06 \x01(\x03\x12\x10\n\x08sessions\x18\x07 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\x12\x11\n\trss_bytes\x18\t \x01(\x03\x12\r\n\x05\x63\x61lls\x18\n \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x0b \x01(\x01\"P\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.eyas.v1.WorkerStatus\"\x8c\x03\n\x0bStatusReply\x12\x13\n\x0bmanifest_id\x18\x01 \x01(\t\x12\"\n\x05pools\x18\x02 \x03(\x0b\x32\x13.eyas.v1.PoolStatus\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x03\x12\x0e\n\x06queued\x18\x04 \x01(\x03\x12\x11\n\tcompleted\x18\x05 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x03\x12\x0e\n\x06tokens\x18\x07 \x01(\x03\x12\x0e\n\x06rounds\x18\x08 \x01(\x03\x12\x1a\n\x12mean_accept_length\x18\t \x01(\x01\x12\x10\n\x08rebuilds\x18\n \x01(\x03\x12!\n\x04tree\x18\x0b \x01(\x0b\x32\x13.eyas.v1.TreePolicy\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x41\n\x0fservice_seconds\x18\r \x03(\x0b\x32(.eyas.v1.StatusReply.ServiceSecondsEntry\x1a\x35\n\x13ServiceSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"L\n\x0cScaleRequest\x12\x12\n\x05\x64raft\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06target\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_draftB\t\n\x07_target\"\x0f\n\rHealthRequest\"2\n\x0bHealthReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x13\n\x0bmanifest_id\x18\x02 \x01(\t2\xd5\x02\n\x04\x45yas\x12;\n\x08Generate\x12\x18.eyas.v1.GenerateRequest\x1a\x13.eyas.v1.TokenChunk0\x01\x12\x32\n\x06RunJob\x12\x10.eyas.v1.JobItem\x1a\x12.eyas.v1.JobResult(\x01\x30\x01\x12\x36\n\x06\x43\x61ncel\x12\x16.eyas.v1.CancelRequest\x1a\x14.eyas.v1.CancelReply\x12\x36\n\x06Status\x12\x16.eyas.v1.StatusRequest\x1a\x14.eyas.v1.StatusReply\x12\x34\n\x05Scale\x12\x15.eyas.v1.ScaleRequest\x1a\x14.eyas.v1.StatusReply\x12\x36\n\x06Health\x12\x16.eyas.v1.HealthRequest\x1a\x14.eyas.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65yas/v1/service.proto\x12\x07\x65yas.v1\x1a\x13\x65yas/v1/round.proto\x1a\x14\x65yas/v1/tensor.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xab\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bmanifest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x11.eyas.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.eyas.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12!\n\x04tree\x18\t \x01(\x0b\x32\x13.eyas.v1.TreePolicy\x12\r\n\x05trace\x18\n \x01(\x08\x42\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"\xf8\x02\n\x0cRequestStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x17\n\x0ftarget_forwards\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12!\n\x19\x61\x63\x63\x65pted_length_histogram\x18\x04 \x03(\x03\x12\x1a\n\x12mean_accept_length\x18\x05 \x01(\x01\x12\x33\n\x07seconds\x18\x06 \x03(\x0b\x32\".eyas.v1.RequestStats.SecondsEntry\x12\x42\n\x0fservice_seconds\x18\x07 \x03(\x0b\x32).eyas.v1.RequestStats.ServiceSecondsEntry\x12\x10\n\x08rebuilds\x18\x08 \x01(\x03\x1a.\n\x0cSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13ServiceSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9b\x01\n\nTokenChunk\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.eyas.v1.RequestRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05stats\x18\x05 \x01(\x0b\x32\x15.eyas.v1.RequestStats\x12\r\n\x05trace\x18\x06 \x01(\x0c\"@\n\x07JobItem\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.eyas.v1.GenerateRequest\"8\n\x08JobError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb9\x01\n\tJobResult\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x03ref\x18\x02 \x01(\x0b\x32\x13.eyas.v1.RequestRef\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12$\n\x05stats\x18\x06 \x01(\x0b\x32\x15.eyas.v1.RequestStats\x12 \n\x05\x65rror\x18\x07 \x01(\x0b\x32\x11.eyas.v1.JobError\"1\n\rCancelRequest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.eyas.v1.RequestRef\"/\n\x0b\x43\x61ncelReply\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.eyas.v1.RequestRef\"\x0f\n\rStatusRequest\"\xcd\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08\x61ssigned\x18\x06 \x01(\x03\x12\x10\n\x08sessions\x18\x07 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\x12\x11\n\trss_bytes\x18\t \x01(\x03\x12\r\n\x05\x63\x61lls\x18\n \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x0b \x01(\x01\"P\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.eyas.v1.WorkerStatus\"\x8c\x03\n\x0bStatusReply\x12\x13\n\x0bmanifest_id\x18\x01 \x01(\t\x12\"\n\x05pools\x18\x02 \x03(\x0b\x32\x13.eyas.v1.PoolStatus\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x03\x12\x0e\n\x06queued\x18\x04 \x01(\x03\x12\x11\n\tcompleted\x18\x05 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x03\x12\x0e\n\x06tokens\x18\x07 \x01(\x03\x12\x0e\n\x06rounds\x18\x08 \x01(\x03\x12\x1a\n\x12mean_accept_length\x18\t \x01(\x01\x12\x10\n\x08rebuilds\x18\n \x01(\x03\x12!\n\x04tree\x18\x0b \x01(\x0b\x32\x13.eyas.v1.TreePolicy\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x41\n\x0fservice_seconds\x18\r \x03(\x0b\x32(.eyas.v1.StatusReply.ServiceSecondsEntry\x1a\x35\n\x13ServiceSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"L\n\x0cScaleRequest\x12\x12\n\x05\x64raft\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06target\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_draftB\t\n\x07_target\"\x0f\n\rHealthRequest\"2\n\x0bHealthReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x13\n\x0bmanifest_id\x18\x02 \x01(\t2\xd5\x02\n\x04\x45yas\x12;\n\x08Generate\x12\x18.eyas.v1.GenerateRequest\x1a\x13.eyas.v1.TokenChunk0\x01\x12\x32\n\x06RunJob\x12\x10.eyas.v1.JobItem\x1a\x12.eyas.v1.JobResult(\x01\x30\x01\x12\x36\n\x06\x43\x61ncel\x12\x16.eyas.v1.CancelRequest\x1a\x14.eyas.v1.CancelReply\x12\x36\n\x06Status\x12\x16.eyas.v1.StatusRequest\x1a\x14.eyas.v1.StatusReply\x12\x34\n\x05Scale\x12\x15.eyas.v1.ScaleRequest\x1a\x14.eyas.v1.StatusReply\x12\x36\n\x06Health\x12\x16.eyas.v1.HealthRequest\x1a\x14.eyas.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,41 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=77
   _globals['_TOKENIDS']._serialized_end=100
   _globals['_GENERATEREQUEST']._serialized_start=103
-  _globals['_GENERATEREQUEST']._serialized_end=387
-  _globals['_REQUESTSTATS']._serialized_start=390
-  _globals['_REQUESTSTATS']._serialized_end=766
-  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_start=665
-  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_end=711
-  _globals['_REQUESTSTATS_SERVICESECONDSENTRY']._serialized_start=713
-  _globals['_REQUESTSTATS_SERVICESECONDSENTRY']._serialized_end=766
-  _globals['_TOKENCHUNK']._serialized_start=769
-  _globals['_TOKENCHUNK']._serialized_end=909
-  _globals['_JOBITEM']._serialized_start=911
-  _globals['_JOBITEM']._serialized_end=975
-  _globals['_JOBERROR']._serialized_start=977
-  _globals['_JOBERROR']._serialized_end=1033
-  _globals['_JOBRESULT']._serialized_start=1036
-  _globals['_JOBRESULT']._serialized_end=1221
-  _globals['_CANCELREQUEST']._serialized_start=1223
-  _globals['_CANCELREQUEST']._serialized_end=1272
-  _globals['_CANCELREPLY']._serialized_start=1274
-  _globals['_CANCELREPLY']._serialized_end=1321
-  _globals['_STATUSREQUEST']._serialized_start=1323
-  _globals['_STATUSREQUEST']._serialized_end=1338
-  _globals['_WORKERSTATUS']._serialized_start=1341
-  _globals['_WORKERSTATUS']._serialized_end=1546
-  _globals['_POOLSTATUS']._serialized_start=1548
-  _globals['_POOLSTATUS']._serialized_end=1628
-  _globals['_STATUSREPLY']._serialized_start=1631
-  _globals['_STATUSREPLY']._serialized_end=2027
-  _globals['_STATUSREPLY_SERVICESECONDSENTRY']._serialized_start=713
-  _globals['_STATUSREPLY_SERVICESECONDSENTRY']._serialized_end=766
-  _globals['_SCALEREQUEST']._serialized_start=2029
-  _globals['_SCALEREQUEST']._serialized_end=2105
-  _globals['_HEALTHREQUEST']._serialized_start=2107
-  _globals['_HEALTHREQUEST']._serialized_end=2122
-  _globals['_HEALTHREPLY']._serialized_start=2124
-  _globals['_HEALTHREPLY']._serialized_end=2174
-  _globals['_EYAS']._serialized_start=2177
-  _globals['_EYAS']._serialized_end=2518
+  _globals['_GENERATEREQUEST']._serialized_end=402
+  _globals['_REQUESTSTATS']._serialized_start=405
+  _globals['_REQUESTSTATS']._serialized_end=781
+  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_start=680
+  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_end=726
+  _globals['_REQUESTSTATS_SERVICESECONDSENTRY']._serialized_start=728
+  _globals['_REQUESTSTATS_SERVICESECONDSENTRY']._serialized_end=781
+  _globals['_TOKENCHUNK']._serialized_start=784
+  _globals['_TOKENCHUNK']._serialized_end=939
+  _globals['_JOBITEM']._serialized_start=941
+  _globals['_JOBITEM']._serialized_end=1005
+  _globals['_JOBERROR']._serialized_start=1007
+  _globals['_JOBERROR']._serialized_end=1063
+  _globals['_JOBRESULT']._serialized_start=1066
+  _globals['_JOBRESULT']._serialized_end=1251
+  _globals['_CANCELREQUEST']._serialized_start=1253
+  _globals['_CANCELREQUEST']._serialized_end=1302
+  _globals['_CANCELREPLY']._serialized_start=1304
+  _globals['_CANCELREPLY']._serialized_end=1351
+  _globals['_STATUSREQUEST']._serialized_start=1353
+  _globals['_STATUSREQUEST']._serialized_end=1368
+  _globals['_WORKERSTATUS']._serialized_start=1371
+  _globals['_WORKERSTATUS']._serialized_end=1576
+  _globals['_POOLSTATUS']._serialized_start=1578
+  _globals['_POOLSTATUS']._serialized_end=1658
+  _globals['_STATUSREPLY']._serialized_start=1661
+  _globals['_STATUSREPLY']._serialized_end=2057
+  _globals['_STATUSREPLY_SERVICESECONDSENTRY']._serialized_start=728
+  _globals['_STATUSREPLY_SERVICESECONDSENTRY']._serialized_end=781
+  _globals['_SCALEREQUEST']._serialized_start=2059
+  _globals['_SCALEREQUEST']._serialized_end=2135
+  _globals['_HEALTHREQUEST']._serialized_start=2137
+  _globals['_HEALTHREQUEST']._serialized_end=2152
+  _globals['_HEALTHREPLY']._serialized_start=2154
+  _globals['_HEALTHREPLY']._serialized_end=2204
+  _globals['_EYAS']._serialized_start=2207
+  _globals['_EYAS']._serialized_end=2548
 # @@protoc_insertion_point(module_scope)

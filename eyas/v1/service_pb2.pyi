@@ -15,7 +15,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "manifest_id", "text", "token_ids", "max_new_tokens", "sampling", "stop", "ignore_eos", "tree")
+    __slots__ = ("request_id", "manifest_id", "text", "token_ids", "max_new_tokens", "sampling", "stop", "ignore_eos", "tree", "trace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     manifest_id: str
     text: str
@@ -34,7 +35,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     tree: _round_pb2.TreePolicy
-    def __init__(self, request_id: _Optional[str] = ..., manifest_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_round_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ...) -> None: ...
+    trace: bool
+    def __init__(self, request_id: _Optional[str] = ..., manifest_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_round_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., trace: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("rounds", "target_forwards", "tokens", "accepted_length_histogram", "mean_accept_length", "seconds", "service_seconds", "rebuilds")
@@ -71,18 +73,20 @@ class RequestStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., mean_accept_length: _Optional[float] = ..., seconds: _Optional[_Mapping[str, float]] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., rebuilds: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("ref", "token_ids", "text", "finish_reason", "stats")
+    __slots__ = ("ref", "token_ids", "text", "finish_reason", "stats", "trace")
     REF_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     stats: RequestStats
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    trace: bytes
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., trace: _Optional[bytes] = ...) -> None: ...
 
 class JobItem(_message.Message):
     __slots__ = ("id", "request")
