@@ -74,6 +74,8 @@ class DraftWorker(Worker):
         session = self.session(msg.ref)
         if msg.HasField("assumed"):
             raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "assumed", "this worker does not draft ahead yet")
+        if not msg.HasField("policy"):
+            raise wire.WireError("policy", "is missing")
         policy = wire.policy_from_proto(msg.policy)
         self.check_policy(policy)
         root = self.check_tokens([msg.root_token], "root_token")[0]

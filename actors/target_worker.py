@@ -61,6 +61,8 @@ class TargetWorker(Worker):
     def verify(self, msg: pb.VerifyRequest, clock: Clock) -> pb.Verification:
         """Apply the carried commit (if any), then verify the tree that builds on msg.ref.version."""
         session = self.session(msg.ref)
+        if not msg.HasField("tree"):
+            raise wire.WireError("tree", "is missing")
         if msg.tree.ref != msg.ref:
             raise wire.WireError("tree.ref", "the tree names another request, version or manifest than the call")
         tree = wire.tree_from_proto(msg.tree)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import ray
 import torch
+from transformers.utils import logging as hf_logging
 from google.protobuf.message import DecodeError, Message
 
 from eyas.manifest import Manifest
@@ -110,6 +111,7 @@ class Worker:
         """Load the models, then serve on the configured host; returns where the worker listens."""
         loop = asyncio.get_running_loop()
         torch.set_num_threads(self.spec.threads)
+        hf_logging.disable_progress_bar()
         await loop.run_in_executor(self._compute, self.load)
         methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in self.endpoints().items()}
         methods["Release"] = self._unary(pb.Release, self.release)

@@ -1,0 +1,145 @@
+"""The wire ABI: committed generated code matches the .proto sources, and the codec round-trips and refuses bad fields.
+
+No Ray and no servers here: the codec must work (and be importable) without either.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from servicekit import TREE, build_models
+
+from eyas import Engine, wire
+from eyas.cluster.config import ConfigError, ServiceConfig
+from eyas.proposer import DraftSession
+from eyas.rounds import start
+from eyas.target import TargetSession
+from eyas.v1 import round_pb2 as pb
+from eyas.v1 import tensor_pb2 as tpb
+from eyas.verify import AcceptanceDecision
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generated_code_is_what_grpc_tools_makes_of_the_protos(tmp_path):
+    protos = sorted((ROOT / "protos").rglob("*.proto"))
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'protos'}", f"--python_out={tmp_path}",
+         f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", *map(str, protos)],
+        check=True,
+    )
+    fresh = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    committed = {p.relative_to(ROOT): p.read_bytes() for p in (ROOT / "eyas" / "v1").iterdir() if p.name != "__init__.py" and p.is_file() and p.suffix in (".py", ".pyi")}
+    assert sorted(map(str, fresh)) == sorted(map(str, committed)), "generated files differ from eyas/v1: regenerate (README)"
+    for path, data in fresh.items():
+        assert committed[path] == data, f"{path} is stale: regenerate it from protos/ (README, commands)"
+
+
+def test_codec_imports_neither_grpc_nor_ray():
+    code = "import sys, eyas.wire; bad = [m for m in ('grpc', 'ray') if m in sys.modules]; sys.exit(f'imported {bad}' if bad else 0)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([1, -2, 3], dtype=torch.int64),
+        torch.tensor([[True, False], [False, True]]),
+        torch.randn(3, 5),
+        torch.randn(2, 4, dtype=torch.float64),
+        torch.randn(4, 3).to(torch.bfloat16),
+        torch.randn(4).to(torch.float16),
+        torch.tensor([7], dtype=torch.int32),
+        torch.empty(0, 8),
+    ],
+    ids=lambda t: f"{t.dtype}{list(t.shape)}",
+)
+def test_tensors_round_trip_bit_for_bit(tensor):
+    msg = wire.tensor_to_proto(tensor)
+    back = wire.tensor_from_proto(msg, "x", tuple(wire.DTYPES), tensor.dim())
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back.view(torch.uint8) if back.dtype != torch.bool else back, tensor.view(torch.uint8) if tensor.dtype != torch.bool else tensor)
+
+
+def test_tensor_bytes_are_little_endian():
+    assert wire.tensor_to_proto(torch.tensor([1, 256], dtype=torch.int64)).data == bytes([1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "msg, field",
+    [
+        (tpb.Tensor(dtype="int64", shape=[3], data=b"\0" * 23), "x.data"),
+        (tpb.Tensor(dtype="complex64", shape=[1], data=b"\0" * 8), "x.dtype"),
+        (tpb.Tensor(dtype="int64", shape=[1, 1], data=b"\0" * 8), "x.shape"),
+        (tpb.Tensor(dtype="int64", shape=[-1], data=b""), "x.shape"),
+        (tpb.Tensor(dtype="bool", shape=[2], data=b"\x01\x02"), "x.data"),
+    ],
+)
+def test_tensor_decoding_refuses_a_bad_field_by_name(msg, field):
+    with pytest.raises(wire.WireError) as err:
+        wire.tensor_from_proto(msg, "x", tuple(wire.DTYPES), 1)
+    assert err.value.field == field
+
+
+@pytest.fixture(scope="module")
+def round_parts(tmp_path_factory):
+    target, drafter = build_models(tmp_path_factory.mktemp("wire"))
+    engine = Engine.from_pretrained(target, drafter, tree=TREE)
+    request = engine.new_request([5, 17, 33, 8, 9], temperature=0.8, seed=3)
+    draft, verifier = DraftSession(engine.drafter), TargetSession(engine.target)
+    start(request, draft, verifier)
+    proposal = draft.propose(0, request.root_token, engine.tree)
+    return engine, request, proposal, verifier.verify(proposal.tree, 0, request.sampling)
+
+
+def test_trees_proposals_and_verifications_round_trip(round_parts):
+    engine, request, proposal, verification = round_parts
+    ref = wire.ref("r1", 0, "m1")
+    back = wire.proposal_from_proto(pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref).SerializeToString()))
+    for name in ("tokens", "parents", "depths", "positions", "mask", "retrieve", "draft_probs"):
+        assert torch.equal(getattr(back.tree, name), getattr(proposal.tree, name)), name
+    assert (back.tree.prefix_len, back.nodes_expanded, back.draft_kv_bytes) == (
+        proposal.tree.prefix_len, proposal.nodes_expanded, proposal.draft_kv_bytes
+    )
+    msg = pb.Verification.FromString(wire.verification_to_proto(verification, ref).SerializeToString())
+    again = wire.verification_from_proto(msg, engine.target.feature_width)
+    assert again.decision == verification.decision  # draws included: a sampled round replays bit for bit
+    assert torch.equal(again.features, verification.features)
+    assert wire.sampling_from_proto(wire.sampling_to_proto(request.sampling)) == request.sampling
+    wire.validate_decision(again.decision, proposal.tree, engine.target.vocab_size)
+
+
+def test_a_decision_that_does_not_fit_its_tree_is_refused(round_parts):
+    engine, _, proposal, verification = round_parts
+    d = verification.decision
+    cases = {
+        "decision.accepted_rows": AcceptanceDecision((1,), (), d.frontier_token, d.frontier_prob),
+        "decision.accepted_tokens": AcceptanceDecision((0,), (5,), d.frontier_token, d.frontier_prob),
+        "decision.frontier_token": AcceptanceDecision((0,), (), 10_000, d.frontier_prob),
+    }
+    for field, decision in cases.items():
+        with pytest.raises(wire.WireError) as err:
+            wire.validate_decision(decision, proposal.tree, engine.target.vocab_size)
+        assert err.value.field == field
+
+
+def test_local_yaml_is_the_documented_default():
+    assert ServiceConfig.load(ROOT / "configs" / "local.yaml") == ServiceConfig.load(None)
+
+
+@pytest.mark.parametrize(
+    "data, named",
+    [
+        ({"pools": {"draft": {"replica": 2}}}, "pools.draft.replica"),
+        ({"pools": {"target": {"replicas": 0}}}, "pools.target.replicas"),
+        ({"tree": {"budget": -1}}, "tree.budget"),
+        ({"netwrk": {}}, "netwrk"),
+        ({"models": {"dtype": "int8"}}, "models.dtype"),
+        ({"pools": {"draft": {"num_cpus": 0}}}, "pools.draft"),
+    ],
+)
+def test_config_refuses_unknown_keys_and_bad_values_by_name(data, named):
+    with pytest.raises(ConfigError, match=named):
+        ServiceConfig.from_dict(data)

@@ -1,0 +1,220 @@
+"""Every worker gRPC endpoint validates on receipt: the right status code, the field named, no state changed.
+
+Real Ray actors serving real gRPC on 127.0.0.1 with a tiny model. Each test drives one request
+with the coordinator's own proxies, fires bad messages at a known state, then finishes the
+request: its output must equal the in-process engine's, token for token.
+"""
+
+import dataclasses
+
+import grpc
+import pytest
+import ray
+import torch
+from servicekit import TREE, build_models
+
+from eyas import Engine, wire
+from eyas.actors.draft_worker import DraftWorker
+from eyas.actors.errors import field_of
+from eyas.actors.proxy import CallTiming, RemoteDraft, RemoteTarget, WorkerClient
+from eyas.actors.target_worker import TargetWorker
+from eyas.actors.worker import WorkerSpec
+from eyas.publish import publish
+from eyas.rounds import run_round, start
+from eyas.tree import DraftTree, TreePolicy, flatten
+from eyas.v1 import round_pb2 as pb
+
+PROMPT = [5, 17, 33, 8, 9, 41]
+NEW_TOKENS = 24
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    ray.init(num_cpus=4, include_dashboard=False)
+    target, drafter = build_models(tmp_path_factory.mktemp("endpoints"))
+    spec = WorkerSpec(target=str(target), drafter=str(drafter), tree_limit=TreePolicy(**TREE))
+    actors = [ray.remote(DraftWorker).remote(spec), ray.remote(TargetWorker).remote(spec)]
+    infos = ray.get([a.start.remote() for a in actors])
+    clients = [WorkerClient(i.role, f"{i.role}-0", i.address, None, 30.0) for i in infos]
+    engine = Engine.from_pretrained(target, drafter, tree=TREE)
+    yield {"engine": engine, "spec": spec, "infos": infos, "draft": clients[0], "target": clients[1]}
+    ray.shutdown()
+
+
+class Live:
+    """One request mid-generation: both workers at `version`, a proposed tree waiting for verification."""
+
+    def __init__(self, workers, request_id: str, temperature: float = 0.0):
+        self.engine = workers["engine"]
+        self.manifest = workers["infos"][0].manifest_id
+        self.request = self.engine.new_request(PROMPT, NEW_TOKENS, temperature=temperature, seed=7, request_id=request_id)
+        info = workers["infos"][1]
+        timing = CallTiming()
+        self.draft = RemoteDraft(workers["draft"], request_id, self.manifest, timing, info.vocab_size)
+        self.target = RemoteTarget(workers["target"], request_id, self.manifest, timing, info.vocab_size, info.feature_width)
+        start(self.request, self.draft, self.target)
+        for _ in range(2):
+            record = run_round(self.request, self.draft, self.target, self.engine.tree)
+        self.version = self.request.version
+        self.proposal = self.draft.propose(self.version, self.request.root_token, self.engine.tree)  # carries the reseed
+        # The target's commit of the last round, sent on its own; the proxy's carried copy is then a harmless retry.
+        call(workers["target"], "Commit", pb.Commit(ref=self.ref(record.version), accepted_rows=record.decision.accepted_rows))
+        self.features = torch.zeros(1, info.feature_width)
+
+    def ref(self, version=None, request_id=None, manifest_id=None):
+        return wire.ref(request_id or self.request.request_id, self.version if version is None else version, manifest_id or self.manifest)
+
+    def verify_msg(self, tree=None, **ref):
+        r = self.ref(**ref)
+        tree = self.proposal.tree if tree is None else tree
+        return pb.VerifyRequest(ref=r, tree=wire.tree_to_proto(tree, r), sampling=wire.sampling_to_proto(self.request.sampling))
+
+    def draft_msg(self, policy=None, root=None, **ref):
+        policy = wire.policy_to_proto(policy or self.engine.tree)
+        return pb.DraftRequest(ref=self.ref(**ref), root_token=self.request.root_token if root is None else root, policy=policy)
+
+    def reseed_msg(self, **ref):
+        return pb.Reseed(ref=self.ref(**ref), features=wire.tensor_to_proto(self.features), tokens=[self.request.root_token])
+
+    def finish(self) -> list[int]:
+        """Complete the pending round through the proxies, then run to the end."""
+        verification = self.target.verify(self.proposal.tree, self.version, self.request.sampling)
+        publish(self.request, verification.decision, verification.features, self.target, self.draft)
+        while not self.request.done:
+            run_round(self.request, self.draft, self.target, self.engine.tree)
+        self.draft.release()
+        self.target.release()
+        return self.request.output
+
+
+def call(client: WorkerClient, method: str, msg) -> bytes:
+    return client._channel.unary_unary(f"/{client.service}/{method}")(msg.SerializeToString(), timeout=30)
+
+
+def refused(client: WorkerClient, method: str, msg) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(client, method, msg)
+    return err.value.code(), field_of(err.value)
+
+
+def expected_output(workers, temperature=0.0):
+    return workers["engine"].generate(PROMPT, max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7).token_ids
+
+
+def mutate(tree, **changes):
+    return dataclasses.replace(tree, **{k: v.clone() for k, v in changes.items()})
+
+
+def malformed_trees(tree, prefix_len):
+    tokens, parents, positions, mask = (t.clone() for t in (tree.tokens, tree.parents, tree.positions, tree.mask))
+    cycle = parents.clone()
+    cycle[1], cycle[2] = 2, 1
+    late = parents.clone()
+    late[2] = tree.num_rows - 1
+    not_closure = mask.clone()
+    not_closure[tree.num_rows - 1, 0] = False
+    shifted = positions.clone()
+    shifted[1] += 1
+    out_of_vocab = tokens.clone()
+    out_of_vocab[1] = 10_000
+    wide = DraftTree(int(tokens[0]))
+    wide.add_children([0], [(0, t, 0.01) for t in range(20)])
+    return {
+        "cycle": (mutate(tree, parents=cycle), "parents"),
+        "parent after child": (mutate(tree, parents=late), "parents"),
+        "mask not the ancestry closure": (mutate(tree, mask=not_closure), "mask"),
+        "wrong positions": (mutate(tree, positions=shifted), "positions"),
+        "token out of vocabulary": (mutate(tree, tokens=out_of_vocab), "tokens"),
+        "over budget": (flatten(wide, wide.select(20), prefix_len), "tokens"),
+    }
+
+
+def test_malformed_trees_are_refused_naming_the_field_and_change_nothing(workers):
+    live = Live(workers, "trees")
+    assert live.proposal.tree.num_rows >= 4
+    for name, (tree, field) in malformed_trees(live.proposal.tree, live.proposal.tree.prefix_len).items():
+        assert refused(workers["target"], "Verify", live.verify_msg(tree)) == (INVALID, field), name
+    assert live.finish() == expected_output(workers)
+
+
+def test_stale_and_future_versions_are_refused_at_every_versioned_endpoint(workers):
+    live = Live(workers, "versions", temperature=0.9)
+    v = live.version
+    for version in (v - 1, v + 1):
+        assert refused(workers["target"], "Verify", live.verify_msg(version=version)) == (PRECONDITION, "version")
+        assert refused(workers["draft"], "Draft", live.draft_msg(version=version)) == (PRECONDITION, "version")
+    for version in (v - 2, v + 1):
+        assert refused(workers["target"], "Commit", pb.Commit(ref=live.ref(version), accepted_rows=[0])) == (PRECONDITION, "version")
+        assert refused(workers["draft"], "Reseed", live.reseed_msg(version=version)) == (PRECONDITION, "version")
+    assert live.finish() == expected_output(workers, temperature=0.9)
+
+
+def test_unknown_requests_and_wrong_manifests_are_refused_at_every_endpoint(workers):
+    live = Live(workers, "ids")
+    target, draft = workers["target"], workers["draft"]
+    features = wire.tensor_to_proto(live.features)
+    for ref, expected in ((dict(request_id="nobody"), (grpc.StatusCode.NOT_FOUND, "request_id")), (dict(manifest_id="0" * 16), (PRECONDITION, "manifest_id"))):
+        assert refused(target, "Verify", live.verify_msg(**ref)) == expected
+        assert refused(target, "Commit", pb.Commit(ref=live.ref(**ref), accepted_rows=[0])) == expected
+        assert refused(target, "Release", pb.Release(ref=live.ref(**ref))) == expected
+        assert refused(draft, "Draft", live.draft_msg(**ref)) == expected
+        assert refused(draft, "Reseed", live.reseed_msg(**ref)) == expected
+        assert refused(draft, "Release", pb.Release(ref=live.ref(**ref))) == expected
+    wrong = live.ref(request_id="fresh", manifest_id="0" * 16)
+    assert refused(target, "Prefill", pb.Prefill(ref=wrong, tokens=[1, 2])) == (PRECONDITION, "manifest_id")
+    assert refused(draft, "Start", pb.DraftStart(ref=wrong, features=features, tokens=[1])) == (PRECONDITION, "manifest_id")
+    taken = live.ref()
+    assert refused(target, "Prefill", pb.Prefill(ref=taken, tokens=[1, 2])) == (grpc.StatusCode.ALREADY_EXISTS, "request_id")
+    assert refused(draft, "Start", pb.DraftStart(ref=taken, features=features, tokens=[1])) == (grpc.StatusCode.ALREADY_EXISTS, "request_id")
+    assert live.finish() == expected_output(workers)
+
+
+def test_bad_payloads_are_refused_naming_the_field(workers):
+    live = Live(workers, "payloads")
+    target, draft = workers["target"], workers["draft"]
+    fresh = live.ref(request_id="fresh", version=0)
+    narrow = wire.tensor_to_proto(torch.zeros(1, 3))
+    assert refused(target, "Prefill", pb.Prefill(ref=fresh, tokens=[1, 500])) == (INVALID, "tokens")
+    assert refused(draft, "Start", pb.DraftStart(ref=fresh, features=narrow, tokens=[1])) == (INVALID, "features.shape")
+    assert refused(draft, "Draft", live.draft_msg(root=500)) == (INVALID, "root_token")
+    assert refused(draft, "Draft", live.draft_msg(policy=TreePolicy(4, 4, 100))) == (INVALID, "budget")
+    bad_reseed = live.reseed_msg(version=live.version - 1)
+    bad_reseed.features.CopyFrom(narrow)
+    assert refused(draft, "Reseed", bad_reseed) == (INVALID, "features.shape")
+    assert refused(target, "Verify", pb.VerifyRequest(ref=live.ref())) == (INVALID, "tree")
+    empty_tree = live.verify_msg()
+    empty_tree.tree.tokens.Clear()
+    assert refused(target, "Verify", empty_tree) == (INVALID, "tree.tokens.dtype")
+    assert refused(draft, "Draft", pb.DraftRequest(ref=live.ref(), root_token=live.request.root_token)) == (INVALID, "policy")
+    raw = workers["target"]._channel.unary_unary(f"/{target.service}/Verify")
+    with pytest.raises(grpc.RpcError) as err:
+        raw(b"\xff\xff\xff", timeout=30)
+    assert err.value.code() == INVALID
+    assert live.finish() == expected_output(workers)
+
+
+def test_released_requests_leave_no_session_and_no_kv(workers):
+    for client in (workers["draft"], workers["target"]):
+        health = client.health()
+        assert (health.sessions, health.kv_bytes, list(health.request_ids)) == (0, 0, [])
+
+
+def test_servers_bind_loopback_unless_configured_and_then_require_the_token(workers):
+    assert all(info.address.startswith("127.0.0.1:") for info in workers["infos"])
+    open_spec = dataclasses.replace(workers["spec"], host="0.0.0.0")
+    with pytest.raises(ray.exceptions.RayTaskError, match="host: binding 0.0.0.0"):
+        ray.get(ray.remote(TargetWorker).remote(open_spec).start.remote())
+    guarded = ray.remote(TargetWorker).remote(dataclasses.replace(open_spec, token="s3cret"))
+    info = ray.get(guarded.start.remote())
+    port = info.address.rsplit(":", 1)[1]
+    anonymous = WorkerClient("target", "t", f"127.0.0.1:{port}", None, 30.0)
+    with pytest.raises(grpc.RpcError) as err:
+        anonymous.health()
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = WorkerClient("target", "t", f"127.0.0.1:{port}", "guess", 30.0)
+    with pytest.raises(grpc.RpcError) as err:
+        wrong.health()
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert WorkerClient("target", "t", f"127.0.0.1:{port}", "s3cret", 30.0).health().role == "target"
+    ray.kill(guarded)
