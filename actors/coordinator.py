@@ -28,9 +28,13 @@ from eyas.cluster.config import ServiceConfig
 from eyas.cluster.pools import Member, Pool, PoolError
 from eyas.engine import tokenize_prompt
 from eyas.errors import RequestError
+from eyas.manifest import Manifest
 from eyas.request import RequestState, StopRules, make_sampling
 from eyas.rounds import run_round, start
 from eyas.stats import GenerationStats
+from eyas.trace.messages import verify_exchange
+from eyas.trace.record import RequestRecorder
+from eyas.trace.store import TraceWriter
 from eyas.tree import TreeError, TreePolicy
 
 from .draft_worker import DraftWorker
@@ -53,6 +57,7 @@ class Chunk:
     text: str = ""
     finish_reason: str = ""
     stats: dict | None = None
+    trace: bytes = b""
 
 
 @dataclass
@@ -73,6 +78,14 @@ class Job:
     started: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     text_sent: str = ""
+    recorder: RequestRecorder | None = None
+    trace_out: list[bytes] | None = None  # trace frames waiting for the client's next chunk, when it asked
+
+    def take_trace(self) -> bytes:
+        frames = b"".join(self.trace_out or ())
+        if self.trace_out:
+            self.trace_out.clear()
+        return frames
 
     @property
     def request_id(self) -> str:
@@ -93,10 +106,15 @@ class Job:
 
 
 class Coordinator:
-    """Ray actor owning the request table and both pools; serves the front door on 127.0.0.1 by default."""
+    """Ray actor owning the request table and both pools; serves the front door on 127.0.0.1 by default.
 
-    def __init__(self, config: ServiceConfig):
+    With `trace`, every request's rounds are appended to that trace file (`eyas serve --trace`).
+    """
+
+    def __init__(self, config: ServiceConfig, trace: str | None = None):
         self.config = config
+        self.trace = TraceWriter(trace) if trace else None
+        self.manifest: dict | None = None
         self.pools: dict[str, Pool] = {}
         self.jobs: dict[str, Job] = {}
         self.manifest_id = ""
@@ -132,6 +150,8 @@ class Coordinator:
             await self._frontdoor.stop()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
+        if self.trace is not None:
+            self.trace.close()
 
     def bring_up(self) -> None:
         """Start both pools in parallel and check that every worker serves the same manifest."""
@@ -159,6 +179,8 @@ class Coordinator:
                 pool.stop()
             raise PoolError(f"manifest_id: draft and target workers disagree on the manifest ({sorted(manifests)})")
         self.manifest_id = manifests.pop()
+        stored = Manifest.load(self.config.models()[1])
+        self.manifest = stored.to_dict() if stored is not None and stored.id == self.manifest_id else None
         for pool in self.pools.values():
             pool.manifest_id = self.manifest_id
         info = self.pools["target"].members()[0].info
@@ -176,8 +198,10 @@ class Coordinator:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         tree: TreePolicy | None = None,
+        trace: bool = False,
     ) -> Job:
-        """Validate a request, enter it in the request table and queue it; `emit` receives its chunks."""
+        """Validate a request, enter it in the request table and queue it; `emit` receives its chunks
+        (with this request's trace frames when `trace`)."""
         sampling_params = make_sampling(**(sampling or {}))
         rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
         ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
@@ -195,8 +219,22 @@ class Coordinator:
             if state.request_id in self.jobs:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, "request_id", f"{state.request_id!r} is already running")
             self.jobs[state.request_id] = job
+        if trace or self.trace is not None:
+            job.trace_out = [] if trace else None
+            job.recorder = RequestRecorder(self._trace_sink(job), state, policy, self.manifest_id, self.manifest, "service")
         self._executor.submit(self._serve, job)
         return job
+
+    def _trace_sink(self, job: Job) -> Callable[[bytes], None]:
+        """Trace frames go to the service's trace file and, when the client asked, to its next chunk."""
+
+        def sink(frames: bytes) -> None:
+            if self.trace is not None:
+                self.trace.write(frames)
+            if job.trace_out is not None:
+                job.trace_out.append(frames)
+
+        return sink
 
     def _check_tree(self, tree: TreePolicy) -> TreePolicy:
         for knob in ("top_k", "depth", "budget"):
@@ -238,6 +276,8 @@ class Coordinator:
                     self._rebuild(job, lost)
                     continue
                 job.stats.add_round(record)
+                if job.recorder is not None:
+                    job.recorder.round(record, *verify_exchange(*job.target_session.exchange), job.timing.as_dict())
                 self._emit(job, record.emitted)
                 self._account(job, time.perf_counter() - t0)
         except Exception as exc:
@@ -281,7 +321,7 @@ class Coordinator:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"pools.{side}", str(exc)) from None
         args = (job.request_id, self.manifest_id, job.timing, self.vocab_size)
         job.draft_session = RemoteDraft(job.draft.client, *args)
-        job.target_session = RemoteTarget(job.target.client, *args, self.feature_width)
+        job.target_session = RemoteTarget(job.target.client, *args, self.feature_width, keep_wire=job.recorder is not None)
 
     def _rebuild(self, job: Job, lost: Exception | None) -> None:
         """Move a request whose worker was lost or is retiring; bounded by service.max_rebuilds."""
@@ -301,7 +341,7 @@ class Coordinator:
             full = job.state.decode(job.state.output)
             if job.state.done or not full.endswith("\ufffd"):
                 text, job.text_sent = full[len(job.text_sent) :], full
-        job.emit(Chunk(job.request_id, job.state.version, list(tokens), text))
+        job.emit(Chunk(job.request_id, job.state.version, list(tokens), text, trace=job.take_trace()))
 
     def _account(self, job: Job, wall: float) -> None:
         t = job.timing
@@ -331,10 +371,12 @@ class Coordinator:
             self.totals["rebuilds"] += job.rebuilds
             for phase, seconds in job.service.items():
                 self.service_seconds[phase] += seconds
+        if job.recorder is not None:
+            job.recorder.end(job.state, "" if error is None else str(error))
         if error is not None:
             job.emit(error)
             return
-        job.emit(Chunk(job.request_id, job.state.version, [], "", job.state.finish_reason, job.stats_dict()))
+        job.emit(Chunk(job.request_id, job.state.version, [], "", job.state.finish_reason, job.stats_dict(), job.take_trace()))
 
     # -- operations -------------------------------------------------------------------------------
     def scale(self, draft: int | None = None, target: int | None = None) -> dict:

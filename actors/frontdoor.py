@@ -70,6 +70,7 @@ class FrontDoor(spb_grpc.EyasServicer):
             stop=list(msg.stop),
             ignore_eos=msg.ignore_eos,
             tree=wire.policy_from_proto(msg.tree) if msg.HasField("tree") else None,
+            trace=msg.trace,
         )
 
     def _chunk(self, chunk: Chunk) -> spb.TokenChunk:
@@ -78,6 +79,7 @@ class FrontDoor(spb_grpc.EyasServicer):
             token_ids=chunk.token_ids,
             text=chunk.text,
             finish_reason=chunk.finish_reason,
+            trace=chunk.trace,
         )
         if chunk.stats is not None:
             msg.stats.CopyFrom(spb.RequestStats(**chunk.stats))

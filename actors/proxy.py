@@ -89,8 +89,17 @@ class WorkerClient:
         )
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
-    def call(self, method: str, build: Callable[[], Message], reply_type: type[Message], parse: Callable, timing: CallTiming):
-        """Build, serialize, send and parse one call, charging each part to `timing`."""
+    def call(
+        self,
+        method: str,
+        build: Callable[[], Message],
+        reply_type: type[Message],
+        parse: Callable,
+        timing: CallTiming,
+        keep: Callable[[bytes, bytes], None] | None = None,
+    ):
+        """Build, serialize, send and parse one call, charging each part to `timing`; `keep` gets the request
+        and reply bytes exactly as they crossed the wire."""
         t0 = time.perf_counter()
         data = build().SerializeToString()
         t1 = time.perf_counter()
@@ -102,6 +111,8 @@ class WorkerClient:
         except grpc.RpcError as error:
             raise self._translate(error) from None
         t2 = time.perf_counter()
+        if keep is not None:
+            keep(data, raw)
         value = parse(reply_type.FromString(raw))
         t3 = time.perf_counter()
         server = parse_timing(call)
@@ -192,15 +203,27 @@ class RemoteDraft(RemoteSession):
 
 
 class RemoteTarget(RemoteSession):
-    """`eyas.rounds.Verifying` over gRPC; a commit rides on the next Verify call."""
+    """`eyas.rounds.Verifying` over gRPC; a commit rides on the next Verify call.
+
+    With `keep_wire`, `exchange` holds the last Verify request and reply bytes, for traces.
+    """
 
     def __init__(
-        self, client: WorkerClient, request_id: str, manifest_id: str, timing: CallTiming, vocab_size: int, feature_width: int
+        self,
+        client: WorkerClient,
+        request_id: str,
+        manifest_id: str,
+        timing: CallTiming,
+        vocab_size: int,
+        feature_width: int,
+        keep_wire: bool = False,
     ):
         super().__init__(client, request_id, manifest_id, timing)
         self.vocab_size = vocab_size
         self.feature_width = feature_width
         self._commit: tuple[int, tuple[int, ...]] | None = None
+        self.keep_wire = keep_wire
+        self.exchange: tuple[bytes, bytes] | None = None
 
     def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
         def parse(reply: pb.PrefillReply) -> torch.Tensor:
@@ -225,7 +248,11 @@ class RemoteTarget(RemoteSession):
             self.check_ref(reply.decision.ref, version)
             return wire.verification_from_proto(reply, self.feature_width)
 
-        verification = self.client.call("Verify", build, pb.Verification, parse, self.timing)
+        keep = self._keep if self.keep_wire else None
+        verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
         self._commit = None
         wire.validate_decision(verification.decision, tree, self.vocab_size)
         return verification
+
+    def _keep(self, request: bytes, reply: bytes) -> None:
+        self.exchange = (request, reply)

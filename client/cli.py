@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
+from eyas.client.trace_cli import add_trace_commands
 
 
 def _quiet_loading() -> None:
@@ -91,7 +92,7 @@ def _print_generation(client, args: argparse.Namespace, manifest_id: str, tree: 
         tree={"top_k": 8, "depth": 5, "budget": 32, **tree} if tree else None,
     )
     tokens, text = [], []
-    for chunk in client.stream(args.prompt, **options):
+    for chunk in client.stream(args.prompt, trace=args.trace, **options):
         tokens += chunk.token_ids
         text.append(chunk.text)
         if not args.json:
@@ -141,6 +142,7 @@ def generate_local(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         on_round=show,
+        trace=args.trace,
     )
     if args.json:
         record = {
@@ -234,7 +236,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from eyas.cluster.service import serve
 
     _quiet_loading()
-    serve(ServiceConfig.load(args.config), args.address, args.port, lambda address: print(f"eyas ready at {address}", flush=True))
+    serve(
+        ServiceConfig.load(args.config),
+        args.address,
+        args.port,
+        lambda address: print(f"eyas ready at {address}", flush=True),
+        trace=args.trace,
+    )
     return 0
 
 
@@ -300,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON record with token ids and statistics")
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead of the service")
     gen.add_argument("--config", help="service config for the embedded service (default: configs/local.yaml settings)")
+    gen.add_argument("--trace", help="append this request's rounds to a trace file (see `eyas trace show`)")
     add_server_args(gen, default=None)
     gen.set_defaults(func=cmd_generate)
 
@@ -307,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="service YAML: models, tree policy, pools, network (see configs/local.yaml)")
     serve.add_argument("--address", help="join the Ray cluster at this address instead of starting an embedded one")
     serve.add_argument("--port", type=int, default=50051, help="front door port on 127.0.0.1 (default 50051; 0 picks one)")
+    serve.add_argument("--trace", help="append every request's rounds to this trace file")
     serve.set_defaults(func=cmd_serve)
 
     submit = sub.add_parser("submit", help="run a JSONL batch job", description=cmd_submit.__doc__)
@@ -361,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     vllm_setup = sub.add_parser("vllm-setup", help="create the vLLM environment", description=cmd_vllm_setup.__doc__)
     vllm_setup.set_defaults(func=cmd_vllm_setup)
+
+    add_trace_commands(sub)
     return parser
 
 

@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from eyas.actors.errors import field_of
 from eyas.actors.server import call_metadata
+from eyas.trace.store import TraceWriter
 from eyas.v1 import service_pb2 as spb
 from eyas.v1 import service_pb2_grpc as spb_grpc
 
@@ -75,9 +76,12 @@ def build_request(
     tree: dict | None = None,
     request_id: str = "",
     manifest_id: str = "",
+    trace: bool = False,
 ) -> spb.GenerateRequest:
-    """A GenerateRequest; options left as None take the service's defaults."""
-    msg = spb.GenerateRequest(request_id=request_id, manifest_id=manifest_id, stop=list(stop), ignore_eos=ignore_eos)
+    """A GenerateRequest; options left as None take the service's defaults; `trace` asks for the trace frames."""
+    msg = spb.GenerateRequest(
+        request_id=request_id, manifest_id=manifest_id, stop=list(stop), ignore_eos=ignore_eos, trace=trace
+    )
     if isinstance(prompt, str):
         msg.text = prompt
     else:
@@ -116,22 +120,32 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Chunk]:
-        """Yield token chunks as rounds commit; options as `build_request` (max_new_tokens, temperature, ...)."""
-        call = self.stub.Generate(build_request(prompt, **options), timeout=self.timeout, metadata=self.metadata)
+    def stream(self, prompt: str | Sequence[int], trace: str | Path | None = None, **options) -> Iterator[Chunk]:
+        """Yield token chunks as rounds commit; options as `build_request` (max_new_tokens, temperature, ...).
+
+        With `trace`, the service streams this request's trace records back (the tree and decision bytes as
+        they crossed its wire) and they are appended to that local file as they arrive.
+        """
+        writer = TraceWriter(trace) if trace is not None else None
+        request = build_request(prompt, trace=writer is not None, **options)
+        call = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
         try:
             for msg in call:
+                if writer is not None and msg.trace:
+                    writer.write(msg.trace)
                 yield chunk_from_proto(msg)
         except grpc.RpcError as error:
             raise EyasError.from_rpc(error, self.address) from None
         finally:
             call.cancel()
+            if writer is not None:
+                writer.close()
 
-    def generate(self, prompt: str | Sequence[int], **options) -> Result:
-        """Generate one completion and return it whole."""
+    def generate(self, prompt: str | Sequence[int], trace: str | Path | None = None, **options) -> Result:
+        """Generate one completion and return it whole; `trace` appends its rounds to that trace file."""
         tokens: list[int] = []
         text: list[str] = []
-        for chunk in self.stream(prompt, **options):
+        for chunk in self.stream(prompt, trace, **options):
             tokens += chunk.token_ids
             text.append(chunk.text)
         return Result(chunk.request_id, tokens, "".join(text), chunk.finish_reason, chunk.stats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -21,12 +22,16 @@ DEFAULT_PORT = 50051
 
 
 class Service:
-    """A running eyas service; use as a context manager or call `start` / `stop`."""
+    """A running eyas service; use as a context manager or call `start` / `stop`.
 
-    def __init__(self, config: ServiceConfig, address: str | None = None, port: int = DEFAULT_PORT):
+    With `trace` (a file path), every request's rounds are appended to that trace.
+    """
+
+    def __init__(self, config: ServiceConfig, address: str | None = None, port: int = DEFAULT_PORT, trace: str | None = None):
         self.config = config
         self.ray_address = address
         self.port = port
+        self.trace = str(Path(trace).resolve()) if trace else None
         self.address = ""
         self.coordinator: ray.actor.ActorHandle | None = None
         self._owns_ray = False
@@ -47,7 +52,7 @@ class Service:
         self.coordinator = (
             ray.remote(Coordinator)
             .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
-            .remote(self.config)
+            .remote(self.config, self.trace)
         )
         try:
             self.address = ray.get(self.coordinator.start.remote(self.port))
@@ -76,11 +81,13 @@ class Service:
         self.stop()
 
 
-def serve(config: ServiceConfig, address: str | None, port: int, on_ready: Callable[[str], None]) -> None:
+def serve(
+    config: ServiceConfig, address: str | None, port: int, on_ready: Callable[[str], None], trace: str | None = None
+) -> None:
     """Run a service until SIGINT or SIGTERM; `on_ready` gets the front door's address once every pool is ready."""
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    with Service(config, address, port) as service:
+    with Service(config, address, port, trace) as service:
         on_ready(service.address)
         stopping.wait()

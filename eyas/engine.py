@@ -22,6 +22,8 @@ from .request import RequestState, StopRules, make_sampling
 from .rounds import RoundRecord, run_round, start
 from .stats import GenerationStats
 from .target import TargetModel, TargetSession
+from .trace.record import RequestRecorder
+from .trace.store import TraceWriter
 from .tree import TreePolicy
 
 
@@ -132,19 +134,35 @@ class Engine:
         stop_at_eos: bool = True,
         tree: TreePolicy | dict | None = None,
         on_round: Callable[[RoundRecord], None] | None = None,
+        trace: str | Path | TraceWriter | None = None,
     ) -> Generation:
-        """Generate up to `max_new_tokens` tokens; greedy when temperature is 0, else exact sampling."""
+        """Generate up to `max_new_tokens` tokens; greedy when temperature is 0, else exact sampling.
+
+        `trace` (a file path or an open writer) appends this request's rounds to a trace.
+        """
         request = self.new_request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stop_at_eos)
         policy = TreePolicy.from_dict(tree) if tree is not None else self.tree
         target, draft = TargetSession(self.target), DraftSession(self.drafter)
+        writer = TraceWriter(trace) if isinstance(trace, (str, Path)) else trace
+        recorder = None
+        if writer is not None:
+            recorder = RequestRecorder(writer.write, request, policy, self.manifest.id, self.manifest.to_dict(), "local")
         stats = GenerationStats()
-        started = time.perf_counter()
-        start(request, draft, target)
-        stats.add_prefill(time.perf_counter() - started)
-        while not request.done:
-            record = run_round(request, draft, target, policy)
-            stats.add_round(record)
-            if on_round is not None:
-                on_round(record)
+        try:
+            started = time.perf_counter()
+            start(request, draft, target)
+            stats.add_prefill(time.perf_counter() - started)
+            while not request.done:
+                record = run_round(request, draft, target, policy)
+                stats.add_round(record)
+                if recorder is not None:
+                    recorder.local_round(record)
+                if on_round is not None:
+                    on_round(record)
+            if recorder is not None:
+                recorder.end(request)
+        finally:
+            if writer is not trace:
+                writer.close()
         text = self.target.tokenizer.decode(request.output) if self.target.tokenizer is not None else None
         return Generation(request.output, text, request.finish_reason, stats, request.prompt_ids)

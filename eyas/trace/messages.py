@@ -1,0 +1,79 @@
+"""The round messages a trace keeps: taken from the bytes that crossed the wire, encoded in process, decoded.
+
+In the service the FlattenedTree is the `tree` field of the VerifyRequest the coordinator sent and
+the AcceptanceDecision the `decision` field of the Verification the target worker sent back; both
+are cut out of the serialized calls, byte for byte. In process the same messages are built with the
+wire codec (same request reference, same fields), so local and service traces hold the same bytes.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from .. import wire
+from ..rounds import RoundRecord
+from ..tree import FlattenedTree
+from ..v1 import round_pb2 as pb
+from ..verify import AcceptanceDecision
+from .format import Round
+
+
+def _varint(data: memoryview, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if byte < 0x80:
+            return value, i
+
+
+def sent_field(message: bytes, number: int) -> bytes:
+    """The bytes of length-delimited field `number` of a serialized message, exactly as they were sent."""
+    data = memoryview(message)
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        kind = key & 7
+        if kind == 2:
+            length, i = _varint(data, i)
+            if key >> 3 == number:
+                return bytes(data[i : i + length])
+            i += length
+        elif kind == 0:
+            _, i = _varint(data, i)
+        elif kind in (1, 5):
+            i += 8 if kind == 1 else 4
+        else:
+            raise ValueError(f"wire type {kind} is not used by eyas messages")
+    raise ValueError(f"field {number} is not in the message")
+
+
+def verify_exchange(request: bytes, reply: bytes) -> tuple[bytes, bytes]:
+    """(FlattenedTree, AcceptanceDecision) bytes out of a serialized VerifyRequest and its Verification reply."""
+    return (
+        sent_field(request, pb.VerifyRequest.DESCRIPTOR.fields_by_name["tree"].number),
+        sent_field(reply, pb.Verification.DESCRIPTOR.fields_by_name["decision"].number),
+    )
+
+
+def local_messages(record: RoundRecord, request_id: str, manifest_id: str) -> tuple[bytes, bytes]:
+    """(FlattenedTree, AcceptanceDecision) bytes of an in-process round, as the service would send them."""
+    ref = wire.ref(request_id, record.version, manifest_id)
+    tree = wire.tree_to_proto(record.tree, ref).SerializeToString()
+    return tree, wire.decision_to_proto(record.decision, record.features, ref).SerializeToString()
+
+
+def decode_round(record: Round) -> tuple[FlattenedTree, AcceptanceDecision, pb.FlattenedTree, pb.AcceptanceDecision]:
+    """The recorded tree and decision as engine objects and as messages; raises WireError naming a bad field."""
+    try:
+        tree_msg = pb.FlattenedTree.FromString(record.tree)
+    except DecodeError as exc:
+        raise wire.WireError("tree", f"not a FlattenedTree message ({exc})") from None
+    try:
+        decision_msg = pb.AcceptanceDecision.FromString(record.decision)
+    except DecodeError as exc:
+        raise wire.WireError("decision", f"not an AcceptanceDecision message ({exc})") from None
+    return wire.tree_from_proto(tree_msg), wire.decision_from_proto(decision_msg), tree_msg, decision_msg
