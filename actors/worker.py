@@ -138,9 +138,6 @@ class Worker:
             await self._server.stop(grace=1.0)
         self._compute.shutdown(wait=False)
 
-    def pid(self) -> int:
-        return os.getpid()
-
     # -- serving ------------------------------------------------------------------------------
     def _unary(self, request_type: type[Message], fn: Callable[[Message, Clock], Message]) -> grpc.RpcMethodHandler:
         """A raw-bytes handler: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
