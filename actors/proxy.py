@@ -59,7 +59,8 @@ class RemoteError(Exception):
 
 @dataclass
 class CallTiming:
-    """Seconds of remote calls, split: wire transport, (de)serialization on both ends, waiting, compute."""
+    """Seconds of remote calls, split: wire transport, (de)serialization and receipt checks on both ends,
+    waiting for the worker's compute thread, and compute."""
 
     rpc: float = 0.0
     serialize: float = 0.0
@@ -194,11 +195,12 @@ class RemoteDraft(RemoteSession):
 
         def parse(reply: pb.Proposal) -> Proposal:
             self.check_ref(reply.ref, version)
-            return wire.proposal_from_proto(reply)
+            proposal = wire.proposal_from_proto(reply)
+            validate_tree(proposal.tree, vocab_size=self.vocab_size, budget=policy.budget, root_token=root_token)
+            return proposal
 
         proposal = self.client.call("Draft", build, pb.Proposal, parse, self.timing)
         self._reseed = None
-        validate_tree(proposal.tree, vocab_size=self.vocab_size, budget=policy.budget, root_token=root_token)
         return proposal
 
 
@@ -246,12 +248,13 @@ class RemoteTarget(RemoteSession):
         def parse(reply: pb.Verification) -> Verification:
             self.check_ref(reply.ref, version)
             self.check_ref(reply.decision.ref, version)
-            return wire.verification_from_proto(reply, self.feature_width)
+            verification = wire.verification_from_proto(reply, self.feature_width)
+            wire.validate_decision(verification.decision, tree, self.vocab_size)
+            return verification
 
         keep = self._keep if self.keep_wire else None
         verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
         self._commit = None
-        wire.validate_decision(verification.decision, tree, self.vocab_size)
         return verification
 
     def _keep(self, request: bytes, reply: bytes) -> None:
