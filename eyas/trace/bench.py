@@ -1,0 +1,108 @@
+"""Benchmark: what tracing costs per round, in process (JSON on stdout).
+
+    python -m eyas.trace.bench [--target DIR --drafter DIR] [--repeats N] [--max-new-tokens N]
+
+Runs the same prompts with tracing off and on, alternating the order each repeat, and reports the
+seconds per round of both, the overhead (median of the per-repeat ratios, minus one), and the
+recorder's own cost per round (encoding the round's messages and record, writing and flushing it),
+timed directly on the recorded rounds, which noise on a busy machine does not blur. In the service
+the coordinator cuts the messages out of bytes it already holds, so the in-process figure bounds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine
+from .record import RequestRecorder
+from .store import TraceWriter
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    "for i in range(10):",
+    "def read_lines(path):\n    with open(path) as f:",
+    "    return sorted(items, key=lambda x:",
+]
+
+
+def trace_overhead(engine: Engine, prompts: list[str], max_new_tokens: int = 64, repeats: int = 5) -> dict:
+    """Seconds per round with tracing off and on, the overhead, and the recorder's direct cost per round."""
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = TraceWriter(Path(tmp) / "bench.trace")
+        engine.generate(prompts[0], max_new_tokens=8, trace=writer)  # warm up both paths
+        engine.generate(prompts[0], max_new_tokens=8)
+        per_round: dict[bool, list[float]] = {False: [], True: []}
+        rounds = 0
+        records = []
+        for repeat in range(repeats):
+            for traced in (False, True) if repeat % 2 == 0 else (True, False):
+                seconds, count = 0.0, 0
+                for prompt in prompts:
+                    started = time.perf_counter()
+                    gen = engine.generate(
+                        prompt, max_new_tokens=max_new_tokens, trace=writer if traced else None, on_round=records.append
+                    )
+                    seconds += time.perf_counter() - started
+                    count += gen.stats.rounds
+                per_round[traced].append(seconds / count)
+                rounds += count
+        request = engine.new_request(prompts[0])
+        recorder = RequestRecorder(writer.write, request, engine.tree, engine.manifest.id, engine.manifest.to_dict(), "local")
+        started = time.perf_counter()
+        for record in records:
+            recorder.local_round(record)
+        direct = (time.perf_counter() - started) / len(records)
+        writer.close()
+    ratios = [on / off for off, on in zip(per_round[False], per_round[True])]
+    off = statistics.median(per_round[False])
+    return {
+        "rounds": rounds,
+        "seconds_per_round_off": off,
+        "seconds_per_round_on": statistics.median(per_round[True]),
+        "overhead": statistics.median(ratios) - 1.0,
+        "overhead_per_repeat": [r - 1.0 for r in ratios],
+        "recorder_seconds_per_round": direct,
+        "recorder_share": direct / off,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..assets import DEFAULT_DRAFTER, demo_model
+
+    parser = argparse.ArgumentParser(prog="python -m eyas.trace.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", help="target directory (default: the bundled demo target)")
+    parser.add_argument("--drafter", help="drafter directory (default: the bundled demo drafter)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = args.target or demo_model("target")
+    drafter = args.drafter or demo_model(DEFAULT_DRAFTER)
+    engine = Engine.from_pretrained(target, drafter)
+    result = trace_overhead(engine, PROMPTS, args.max_new_tokens, args.repeats)
+    result.update(
+        target=str(target),
+        drafter=str(drafter),
+        tree=vars(engine.tree),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

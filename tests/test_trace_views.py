@@ -1,0 +1,115 @@
+"""Seeing traces: `eyas trace show` (summary, one round's tree), `--html` in a real headless browser, `--png`,
+and `eyas trace diff`.
+
+The page is opened in Debian's chromium, which must be installed (.ci/run installs it): a missing
+browser fails the test rather than skipping it.
+"""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+from servicekit import TREE, build_models
+
+from eyas import Engine, wire
+from eyas.client.cli import main
+from eyas.trace import TraceWriter, read_trace
+from eyas.trace.format import encode
+from eyas.trace.messages import decode_round
+from eyas.v1 import round_pb2 as pb
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trace-views")
+    target, drafter = build_models(root)
+    engine = Engine.from_pretrained(target, drafter, tree=TREE)
+    path = root / "run.trace"
+    engine.generate("w5 w17 w33 w8", max_new_tokens=10, trace=path)
+    engine.generate([4, 40, 20], max_new_tokens=10, temperature=0.9, seed=7, trace=path)
+    return path, target
+
+
+def test_trace_show_prints_the_summary_and_a_round_as_an_indented_tree(recorded, capsys):
+    path, target = recorded
+    assert main(["trace", "show", str(path), "--round", "2", "--target", str(target)]) == 0
+    out = capsys.readouterr().out
+    for heading in ("2 requests", "acceptance length", "accepted length", "acceptance by depth", "draft confidence against observed acceptance"):
+        assert heading in out
+    assert re.search(r"req-0 +prompt 4 tokens, \d+ rounds, 10 tokens, length", out)
+    tree, decision, _, _ = decode_round(read_trace(path).requests[0].rounds[2])
+    nodes = re.findall(r"([* ])\[(\d+)\] ('w\d+')  (\d\.\d{3}) / (\d\.\d{3})", out)
+    assert sorted(int(row) for _, row, *_ in nodes) == list(range(tree.num_rows))
+    assert {int(row) for mark, row, *_ in nodes if mark == "*"} == set(decision.accepted_rows)
+    assert "round 2 (version 2)" in out and "frontier token" in out
+
+
+def test_trace_show_names_a_request_that_is_not_there(recorded, capsys):
+    path, _ = recorded
+    assert main(["trace", "show", str(path), "--request", "req-1"]) == 0
+    assert "1 requests" in capsys.readouterr().out
+    assert main(["trace", "show", str(path), "--request", "nope"]) == 2
+    assert "no request 'nope'" in capsys.readouterr().err
+
+
+def test_trace_diff_names_the_first_differing_round_and_node(recorded, tmp_path, capsys):
+    path, _ = recorded
+    assert main(["trace", "diff", str(path), str(path)]) == 0
+    assert capsys.readouterr().out.startswith("identical: 2 requests")
+    trace = read_trace(path)
+    record = trace.requests[1].rounds[4]
+    msg = pb.FlattenedTree.FromString(record.tree)
+    tree = wire.tree_from_proto(msg)
+    siblings = {int(t) for t in tree.tokens[tree.parents == tree.parents[5]]}
+    tree.tokens[5] = next(t for t in range(3, 96) if t not in siblings)
+    record.tree = wire.tree_to_proto(tree, msg.ref).SerializeToString()
+    other = tmp_path / "other.trace"
+    with TraceWriter(other) as writer:
+        writer.write(b"".join(encode(r) for r in trace.records))
+    assert main(["trace", "diff", str(path), str(other)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("first difference: request 2 (A: req-1, B: req-1), round 4: draft tree at node 5: A has token")
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.fail("chromium is not installed: install Debian's chromium (apt-get install -y chromium), as .ci/run does")
+
+
+def test_the_html_page_draws_every_node_in_a_real_browser(recorded, tmp_path):
+    path, target = recorded
+    page = tmp_path / "trace.html"
+    assert main(["trace", "show", str(path), "--html", str(page), "--target", str(target)]) == 0
+    html = page.read_text()
+    assert not re.search(r"""(src|href)\s*=|@import|url\(""", html), "the page is self-contained"
+    requests = read_trace(path).requests
+    expected = sum(decode_round(rnd)[0].num_rows for r in requests for rnd in r.rounds)
+    rounds = sum(len(r.rounds) for r in requests)
+    run = subprocess.run(
+        [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    dom = run.stdout
+    assert f'data-rendered-nodes="{expected}"' in dom, f"chromium exit {run.returncode}: {run.stderr[-2000:]}"
+    assert f'data-rendered-rounds="{rounds}"' in dom
+    assert len(re.findall(r'<g class="node', dom)) == expected
+    assert len(re.findall(r'<g class="node accepted', dom)) == sum(
+        len(decode_round(rnd)[1].accepted_rows) for r in requests for rnd in r.rounds
+    )
+    assert dom.count('<svg width=') >= rounds + 3, "one picture per round, plus the three charts"
+
+
+def test_the_png_holds_the_acceptance_and_calibration_charts(recorded, tmp_path):
+    path, _ = recorded
+    png = tmp_path / "charts.png"
+    assert main(["trace", "show", str(path), "--png", str(png)]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
