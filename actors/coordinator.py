@@ -141,15 +141,15 @@ class Coordinator:
         return f"{advertised_host(self.config.host)}:{bound}"
 
     async def stop(self) -> None:
-        """Cancel every request, stop the front door and remove every worker."""
+        """Cancel every request, stop the front door, remove every worker (a request waiting on one fails), then join."""
         with self._lock:
             jobs = list(self.jobs.values())
         for job in jobs:
             job.cancelled.set()
         if self._frontdoor is not None:
             await self._frontdoor.stop()
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         if self.trace is not None:
             self.trace.close()
 
@@ -313,6 +313,8 @@ class Coordinator:
                 continue
             pool = self.pools[side]
             if member is not None:
+                if member.state == "retiring" and session is not None:
+                    session.release()  # the worker lives on until its last request has moved
                 pool.release(member)
             try:
                 setattr(job, side, pool.acquire())

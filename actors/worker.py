@@ -133,11 +133,6 @@ class Worker:
             **self.info_extra(),
         )
 
-    async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-        self._compute.shutdown(wait=False)
-
     # -- serving ------------------------------------------------------------------------------
     def _unary(self, request_type: type[Message], fn: Callable[[Message, Clock], Message]) -> grpc.RpcMethodHandler:
         """A raw-bytes handler: parse, run `fn` on the compute thread, serialize; timing in the trailer."""

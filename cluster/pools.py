@@ -155,7 +155,7 @@ class Pool:
         with self._cond:
             return list(self._members)
 
-    def acquire(self, exclude: Member | None = None) -> Member:
+    def acquire(self) -> Member:
         """Route a request to the least-loaded ready worker, waiting (bounded) while none is ready."""
         deadline = time.monotonic() + self._ready_timeout
         with self._cond:
@@ -163,9 +163,8 @@ class Pool:
                 if self._closed:
                     raise PoolError(f"pools.{self.name}: the service is stopping")
                 ready = [m for m in self._members if m.state == "ready"]
-                choice = [m for m in ready if m is not exclude] or ready
-                if choice:
-                    member = min(choice, key=lambda m: (m.load, m.started))
+                if ready:
+                    member = min(ready, key=lambda m: (m.load, m.started))
                     member.load += 1
                     return member
                 left = deadline - time.monotonic()
@@ -186,7 +185,7 @@ class Pool:
                 return
             member.state = "lost"
             self._members.remove(member)
-            short = self.size - len([m for m in self._members if m.state == "ready"]) - self._pending
+            short = 0 if self._closed else self.size - len([m for m in self._members if m.state == "ready"]) - self._pending
         log.warning("pools.%s: worker %s at %s lost; replacing it", self.name, member.worker_id, member.info.address)
         self._remove(member)
         if short > 0:
