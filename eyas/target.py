@@ -18,7 +18,7 @@ from .errors import VersionError
 from .manifest import FeatureAddress, TargetFingerprint, fingerprint_target
 from .sampling import SamplingParams
 from .tree import FlattenedTree, validate_tree
-from .verify import AcceptanceDecision, decide
+from .verify import AcceptanceDecision, decide, row_acceptance
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 
@@ -199,6 +199,7 @@ class Verification:
     features: torch.Tensor  # [len(accepted_rows), F], in accepted-row order
     experts: frozenset[tuple[int, int]]
     branch_kv_bytes: int
+    row_probs: torch.Tensor | None = None  # [N] conditional acceptance probability of every row (verify.row_acceptance)
 
 
 class TargetSession:
@@ -256,7 +257,9 @@ class TargetSession:
         self.provisional = tree.num_rows
         decision = decide(tree, out.logits, params, version, draws)
         rows = torch.tensor(decision.accepted_rows, dtype=torch.long)
-        return Verification(decision, out.features[rows], out.experts, self.kv_bytes(tree.num_rows))
+        return Verification(
+            decision, out.features[rows], out.experts, self.kv_bytes(tree.num_rows), row_acceptance(tree, out.logits, params)
+        )
 
     def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
         """Keep the KV of the accepted rows (in path order), drop the other branch rows; idempotent per version."""

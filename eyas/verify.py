@@ -103,6 +103,21 @@ def sampled_decision(tree: FlattenedTree, probs: torch.Tensor, draws: torch.Tens
     return AcceptanceDecision(tuple(rows), accepted, frontier, prob, tuple(used), node_probs(tree, probs))
 
 
+def row_acceptance(tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N] float64: the probability that each row's token is accepted given its parent row was.
+
+    Greedy: 1 where the token is the target argmax at its parent, else 0. Sampling: the target's
+    probability of the token at its parent, which is exactly its acceptance probability under
+    `sampled_decision`. The root is 1. A node's path product is its chance to be on the accepted path.
+    """
+    rows, tokens = tree.parents[1:], tree.tokens[1:]
+    if params.greedy:
+        conditional = (logits.argmax(dim=-1)[rows] == tokens).to(torch.float64)
+    else:
+        conditional = target_probs(logits[rows], params).gather(1, tokens[:, None])[:, 0]
+    return torch.cat([torch.ones(1, dtype=torch.float64), conditional])
+
+
 def decide(
     tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams, version: int, draws: torch.Tensor | None = None
 ) -> AcceptanceDecision:

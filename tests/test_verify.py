@@ -150,3 +150,26 @@ def test_same_seed_same_sample(small_vocab_engine):
     a = small_vocab_engine.generate([1, 2, 3], max_new_tokens=20, temperature=0.9, top_k=5, seed=11)
     b = small_vocab_engine.generate([1, 2, 3], max_new_tokens=20, temperature=0.9, top_k=5, seed=11)
     assert a.token_ids == b.token_ids
+
+
+def test_row_acceptance_is_each_nodes_chance_to_be_on_the_accepted_path():
+    """Under sampling, P(row on accepted path) = product of row_acceptance along its path (and 0/1 when greedy)."""
+    from eyas.verify import row_acceptance
+
+    flat = small_tree()
+    tokens = flat.tokens.tolist()
+    generator = torch.Generator().manual_seed(3)
+    base = torch.softmax(torch.randn(8, 8, generator=generator, dtype=torch.float64), -1)
+    probs = torch.stack([base[tokens[r]] for r in range(flat.num_rows)])
+    conditional = row_acceptance(flat, probs.log(), SamplingParams(temperature=1.0))
+    on_path = torch.tensor([conditional[flat.path_to(r)].prod().item() for r in range(flat.num_rows)])
+    trials = 20000
+    hits = torch.zeros(flat.num_rows)
+    for _ in range(trials):
+        d = sampled_decision(flat, probs, torch.rand(flat.num_rows, generator=generator, dtype=torch.float64))
+        hits[list(d.accepted_rows)] += 1
+    assert torch.allclose(hits / trials, on_path.float(), atol=0.015)
+    greedy = row_acceptance(flat, probs.log(), SamplingParams())
+    best = probs.argmax(-1)
+    expected = [1.0] + [float(tokens[r] == best[flat.parents[r]].item()) for r in range(1, flat.num_rows)]
+    assert greedy.tolist() == expected
