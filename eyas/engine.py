@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .autotree import TreeTuner, measure_costs
 from .drafters import Drafter, load_drafter
 from .errors import RequestError
 from .manifest import Manifest
@@ -24,7 +25,7 @@ from .stats import GenerationStats
 from .target import TargetModel, TargetSession
 from .trace.record import RequestRecorder
 from .trace.store import TraceWriter
-from .tree import TreePolicy
+from .tree import TreeError, TreePolicy
 
 
 @dataclass
@@ -67,22 +68,41 @@ def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
+    """"auto" (hardware-aware, see eyas.autotree) or a fixed policy from a mapping; None is the default policy."""
+    if isinstance(tree, str):
+        if tree != "auto":
+            raise TreeError("tree", f'a tree setting is "auto" or a mapping of top_k, depth, budget, got {tree!r}')
+        return tree
+    return TreePolicy.from_dict(tree)
+
+
 class Engine:
     """EAGLE speculative decoding of one target with one drafter, in one process."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter, manifest: Manifest, tree: TreePolicy | dict | None = None):
+    def __init__(
+        self, target: TargetModel, drafter: Drafter, manifest: Manifest, tree: TreePolicy | dict | str | None = None
+    ):
         self.target = target
         self.drafter = drafter
         self.manifest = manifest
-        self.tree = TreePolicy.from_dict(tree)
+        self.tree = tree_setting(tree)
         self._ids = itertools.count()
+        self._tuner: TreeTuner | None = None
+
+    @property
+    def tuner(self) -> TreeTuner:
+        """The `tree: auto` tuner; the machine's costs are measured on first use."""
+        if self._tuner is None:
+            self._tuner = TreeTuner(measure_costs(self.target, self.drafter))
+        return self._tuner
 
     @classmethod
     def from_pretrained(
         cls,
         target: str | Path,
         drafter: str | Path,
-        tree: TreePolicy | dict | None = None,
+        tree: TreePolicy | dict | str | None = None,
         feature_layers: tuple[int, ...] | None = None,
         allow_manifest_mismatch: bool = False,
         dtype: torch.dtype = torch.float32,
@@ -132,7 +152,7 @@ class Engine:
         seed: int = 0,
         stop: Sequence[str] = (),
         stop_at_eos: bool = True,
-        tree: TreePolicy | dict | None = None,
+        tree: TreePolicy | dict | str | None = None,
         on_round: Callable[[RoundRecord], None] | None = None,
         trace: str | Path | TraceWriter | None = None,
     ) -> Generation:
@@ -141,7 +161,9 @@ class Engine:
         `trace` (a file path or an open writer) appends this request's rounds to a trace.
         """
         request = self.new_request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stop_at_eos)
-        policy = TreePolicy.from_dict(tree) if tree is not None else self.tree
+        setting = tree_setting(tree) if tree is not None else self.tree
+        auto = setting == "auto"
+        policy = self.tuner.policy() if auto else setting
         target, draft = TargetSession(self.target), DraftSession(self.drafter)
         writer = TraceWriter(trace) if isinstance(trace, (str, Path)) else trace
         recorder = None
@@ -153,7 +175,9 @@ class Engine:
             start(request, draft, target)
             stats.add_prefill(time.perf_counter() - started)
             while not request.done:
-                record = run_round(request, draft, target, policy)
+                record = run_round(request, draft, target, self.tuner.policy() if auto else policy)
+                if auto:
+                    self.tuner.observe(record)
                 stats.add_round(record)
                 if recorder is not None:
                     recorder.local_round(record)

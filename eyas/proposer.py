@@ -28,6 +28,8 @@ class Proposal:
     nodes_recorded: int
     draft_kv_bytes: int
     tree_seconds: float = 0.0
+    draft_tree: DraftTree | None = None  # every recorded node, for tree tuning (not sent on the wire)
+    row_nodes: list[int] | None = None  # draft-tree node of each flattened row
 
 
 class DraftSession:
@@ -115,7 +117,7 @@ class DraftSession:
         prefix_len = self.committed
         tree = DraftTree(root_token)
         if self.root_state is None or policy.depth == 0 or policy.budget == 0:
-            return Proposal(flatten(tree, [], prefix_len), 0, 1, 0)
+            return Proposal(flatten(tree, [], prefix_len), 0, 1, 0, 0.0, tree, [0])
 
         states = {0: self.root_state}  # node -> drafter output predicting its children
         path_rows: dict[int, list[int]] = {0: []}  # expanded node -> provisional draft-KV rows of its path
@@ -134,9 +136,10 @@ class DraftSession:
             tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten())
             tree_seconds += time.perf_counter() - start
         start = time.perf_counter()
-        flat = flatten(tree, tree.select(policy.budget), prefix_len)
+        selected = tree.select(policy.budget)
+        flat = flatten(tree, selected, prefix_len)
         tree_seconds += time.perf_counter() - start
-        return Proposal(flat, expanded_count, len(tree), self.kv.nbytes(expanded_count), tree_seconds)
+        return Proposal(flat, expanded_count, len(tree), self.kv.nbytes(expanded_count), tree_seconds, tree, [0, *selected])
 
     def _expand(
         self,

@@ -18,7 +18,7 @@ from .publish import publish
 from .request import RequestState
 from .sampling import SamplingParams
 from .target import Verification
-from .tree import FlattenedTree, TreePolicy
+from .tree import DraftTree, FlattenedTree, TreePolicy
 from .verify import AcceptanceDecision
 
 
@@ -52,6 +52,10 @@ class RoundRecord:
     experts: frozenset[tuple[int, int]]
     seconds: dict[str, float] = field(default_factory=dict)
     features: torch.Tensor | None = None
+    draft_tree: DraftTree | None = None  # all recorded nodes (in process only), for tree tuning
+    row_nodes: list[int] | None = None  # draft-tree node of each flattened row
+    row_probs: torch.Tensor | None = None  # [N] acceptance probability of each row given its parent
+    policy: TreePolicy | None = None  # the tree policy this round drafted with
 
 
 def start(request: RequestState, draft: Drafting, target: Verifying) -> None:
@@ -88,4 +92,8 @@ def run_round(request: RequestState, draft: Drafting, target: Verifying, policy:
             "publish": t3 - t2,
         },
         features=verification.features,
+        draft_tree=proposal.draft_tree,
+        row_nodes=proposal.row_nodes,
+        row_probs=verification.row_probs,
+        policy=policy,
     )

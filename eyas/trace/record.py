@@ -67,7 +67,7 @@ class RequestRecorder:
                     manifest_id=self.manifest_id,
                     tree=tree,
                     decision=decision,
-                    policy=self.policy,
+                    policy=asdict(record.policy) if record.policy is not None else self.policy,
                     sampling=self.sampling,
                     draws=list(record.decision.draws),
                     emitted=list(record.emitted),

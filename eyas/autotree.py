@@ -1,0 +1,206 @@
+"""Hardware-aware trees (`tree: auto`): choose top_k, depth and budget for the most tokens per second.
+
+At start the tuner measures this machine's costs: target verification time by number of rows and
+drafter step time by number of rows. It then drafts a few rounds with a wide exploration tree.
+Because a drafter's output at a node depends only on that node's path, every smaller policy's
+tree is a sub-tree of the exploration tree, and the target has verified its nodes: replaying the
+smaller policy's expansion and reranking on the recorded nodes gives its expected accepted length
+exactly (greedy) or in expectation (sampling). Expected tokens per round over predicted round time
+picks the policy. Realised acceptance is watched; when it drifts from the prediction, or after a
+while, the tuner explores again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters import Drafter, KVCache
+from .rounds import RoundRecord
+from .target import TargetModel
+from .tree import DraftTree, TreePolicy
+
+EXPLORE = TreePolicy(top_k=8, depth=8, budget=64)
+TOP_KS = (1, 2, 3, 4, 6, 8)
+BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65)
+DRAFT_ROWS = (1, 2, 4, 8, 16)
+
+
+def grid() -> list[TreePolicy]:
+    """Candidate policies: chains of every depth, and trees of every width, depth and budget that fits."""
+    policies = [TreePolicy(1, d, d) for d in range(1, EXPLORE.depth + 1)]
+    for k in TOP_KS[1:]:
+        for d in range(1, EXPLORE.depth + 1):
+            reachable = k + (d - 1) * k * k
+            policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable]
+    return policies
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through measured points, extended linearly past the last one."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * max(0.0, x - x0) / (x1 - x0)
+    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+
+
+@dataclass
+class Costs:
+    """Seconds per target verification by rows, per drafter step by rows, and per round outside the models."""
+
+    verify_rows: list[int]
+    verify_seconds: list[float]
+    draft_rows: list[int]
+    draft_seconds: list[float]
+    overhead_per_depth: float = 0.0
+    overhead_per_round: float = 0.0
+
+    def model_seconds(self, policy: TreePolicy, seed_rows: float) -> float:
+        """Drafter steps (seed rows, then one step of top_k rows per further depth) plus one verification."""
+        draft = _interpolate(self.draft_rows, self.draft_seconds, seed_rows) if policy.depth else 0.0
+        draft += max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, policy.top_k)
+        return draft + _interpolate(self.verify_rows, self.verify_seconds, policy.budget + 1)
+
+    def round_seconds(self, policy: TreePolicy, seed_rows: float) -> float:
+        """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens."""
+        return self.model_seconds(policy, seed_rows) + policy.depth * self.overhead_per_depth + self.overhead_per_round
+
+
+@torch.no_grad()
+def measure_costs(target: TargetModel, drafter: Drafter, prefix_len: int = 192, repeats: int = 3) -> Costs:
+    """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix."""
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (prefix_len,), generator=generator)
+
+    def best_of(run) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    cache = DynamicCache()
+    target.forward(prefix, torch.arange(prefix_len), torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril(), cache, False)
+    verify = []
+    for rows in VERIFY_ROWS:
+        tokens = prefix[:rows]
+        positions = torch.arange(prefix_len, prefix_len + rows)
+        mask = torch.ones(rows, rows, dtype=torch.bool).tril()
+
+        def run() -> None:
+            target.forward(tokens, positions, mask, cache)
+            cache.crop(-rows)
+
+        verify.append(best_of(run))
+
+    kv = KVCache()
+    state = torch.zeros(1, prefix_len, drafter.hidden_size, dtype=drafter.dtype)
+    seed_mask = torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril()[None, None]
+    drafter.step(state, prefix[None], torch.arange(prefix_len)[None], kv, seed_mask)
+    draft = []
+    for rows in DRAFT_ROWS:
+        mask = torch.ones(1, 1, rows, prefix_len + rows, dtype=torch.bool)
+
+        def run() -> None:
+            out = drafter.step(state[:, :rows], prefix[None, :rows], torch.arange(prefix_len, prefix_len + rows)[None], kv, mask)
+            drafter.top_candidates(out[0], 8)
+            kv.truncate(prefix_len)
+
+        draft.append(best_of(run))
+    return Costs(list(VERIFY_ROWS), verify, list(DRAFT_ROWS), draft)
+
+
+def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
+    """Expected accepted draft tokens had `policy` drafted this round: replay its expansion on the recorded nodes.
+
+    accept[node]: probability the node is accepted given its parent was (verified nodes only; others count 0).
+    """
+    children: dict[int, list[int]] = {}
+    for node in range(1, len(tree)):
+        children.setdefault(tree.parents[node], []).append(node)
+    for kids in children.values():
+        kids.sort(key=lambda n: -tree.confidences[n])  # the drafter's own top-k order
+    frontier, recorded = [0], []
+    for _ in range(policy.depth):
+        expanded = tree.ranked(frontier)[: policy.top_k]
+        frontier = [c for n in expanded for c in children.get(n, [])[: policy.top_k]]
+        recorded += frontier
+    selected = tree.ranked(recorded)[: policy.budget]
+    on_path: dict[int, float] = {0: 1.0}
+    for node in sorted(selected):  # parents precede children in node order
+        on_path[node] = on_path.get(tree.parents[node], 0.0) * accept.get(node, 0.0)
+    return sum(on_path.values()) - 1.0
+
+
+@dataclass
+class TreeTuner:
+    """Chooses the tree policy for the next round from measured costs and recent exploration rounds."""
+
+    costs: Costs
+    explore_rounds: int = 8
+    revisit_every: int = 400
+    drift: float = 0.2
+    current: TreePolicy = EXPLORE
+    explored: deque = field(default_factory=lambda: deque(maxlen=32))
+    realised: deque = field(default_factory=lambda: deque(maxlen=24))
+    overheads: deque = field(default_factory=lambda: deque(maxlen=32))
+    predicted_tokens: float = 0.0
+    exploring: int = 0
+    since_choice: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.exploring = self.explore_rounds
+
+    def policy(self) -> TreePolicy:
+        return EXPLORE if self.exploring else self.current
+
+    def observe(self, record: RoundRecord) -> None:
+        """Fold in one finished round; re-choose after exploring, explore again on drift or after a while."""
+        if self.exploring:
+            if record.draft_tree is not None and record.row_probs is not None:
+                accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
+                self.explored.append((record.draft_tree, accept))
+            self.exploring -= 1
+            self._calibrate(record)
+            if not self.exploring:
+                self.choose()
+            return
+        self.since_choice += 1
+        self.realised.append(record.decision.num_accepted + 1)
+        if len(self.realised) == self.realised.maxlen:
+            mean = sum(self.realised) / len(self.realised)
+            if abs(mean - self.predicted_tokens) > self.drift * self.predicted_tokens or self.since_choice >= self.revisit_every:
+                self.exploring = self.explore_rounds
+                self.realised.clear()
+
+    def _calibrate(self, record: RoundRecord) -> None:
+        """Learn the time exploration rounds spend outside model forwards: tree bookkeeping per depth, the rest per round."""
+        seconds = record.seconds
+        observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
+        model = self.costs.model_seconds(EXPLORE, record.decision.num_accepted + 1)
+        self.overheads.append((seconds.get("tree", 0.0) / EXPLORE.depth, max(0.0, observed - model - seconds.get("tree", 0.0))))
+        self.costs.overhead_per_depth = sum(d for d, _ in self.overheads) / len(self.overheads)
+        self.costs.overhead_per_round = sum(r for _, r in self.overheads) / len(self.overheads)
+
+    def score(self, policy: TreePolicy) -> tuple[float, float]:
+        """(expected tokens per round, expected tokens per second) of `policy` on the explored rounds."""
+        tokens = 1.0 + sum(expected_accepted(t, a, policy) for t, a in self.explored) / len(self.explored)
+        return tokens, tokens / self.costs.round_seconds(policy, tokens)
+
+    def choose(self) -> TreePolicy:
+        """The grid policy with the highest expected tokens per second."""
+        if not self.explored:
+            return self.current
+        scored = [(self.score(p), p) for p in grid()]
+        (tokens, rate), best = max(scored, key=lambda item: item[0][1])
+        self.current, self.predicted_tokens, self.since_choice = best, tokens, 0
+        self.history.append({"policy": best, "tokens_per_round": tokens, "tokens_per_s": rate})
+        return best

@@ -1,0 +1,74 @@
+"""Hardware-aware trees: replaying a smaller policy on an exploration tree predicts what that policy accepts."""
+
+import pytest
+import torch
+from oracle import OracleDrafter
+from tiny import make_drafter, make_target
+from transformers import AutoModelForCausalLM
+
+from eyas import Engine
+from eyas.autotree import EXPLORE, Costs, TreeTuner, expected_accepted, grid
+from eyas.drafters import drafter_config
+from eyas.proposer import DraftSession
+from eyas.request import RequestState, StopRules
+from eyas.rounds import start
+from eyas.sampling import SamplingParams
+from eyas.target import TargetSession
+from eyas.tree import TreePolicy
+
+PROMPT = [5, 17, 33, 8, 9, 41, 77, 12]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    target = make_target(root / "t")
+    hf = AutoModelForCausalLM.from_pretrained(target)
+    ids = torch.tensor([PROMPT])
+    reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)[0].tolist()
+    engine = Engine.from_pretrained(target, make_drafter(root / "d", target))
+    engine.drafter = OracleDrafter(drafter_config("eagle1", engine.target.config), reference, rank=lambda p: p % 4)
+    return engine
+
+
+def one_round(engine, policy, params):
+    request = RequestState("r", list(PROMPT), params, StopRules(64))
+    target, draft = TargetSession(engine.target), DraftSession(engine.drafter)
+    start(request, draft, target)
+    proposal = draft.propose(0, request.root_token, policy)
+    return proposal, target.verify(proposal.tree, 0, params)
+
+
+def test_replayed_sub_policies_predict_their_greedy_acceptance_exactly(engine):
+    params = SamplingParams()
+    proposal, verification = one_round(engine, EXPLORE, params)
+    accept = dict(zip(proposal.row_nodes, verification.row_probs.tolist()))
+    assert expected_accepted(proposal.draft_tree, accept, EXPLORE) == verification.decision.num_accepted
+    for policy in [TreePolicy(1, 3, 3), TreePolicy(2, 4, 8), TreePolicy(4, 5, 16), TreePolicy(3, 8, 24), TreePolicy(8, 2, 10)]:
+        predicted = expected_accepted(proposal.draft_tree, accept, policy)
+        _, actual = one_round(engine, policy, params)
+        assert predicted == actual.decision.num_accepted, policy
+
+
+def test_grid_covers_chains_and_trees_within_the_exploration_tree():
+    policies = grid()
+    assert TreePolicy(1, 5, 5) in policies and TreePolicy(8, 5, 32) in policies and TreePolicy(4, 4, 16) in policies
+    assert all(p.top_k <= EXPLORE.top_k and p.depth <= EXPLORE.depth and p.budget <= EXPLORE.budget for p in policies)
+
+
+def test_tuner_trades_acceptance_against_this_machines_costs(engine):
+    """Cheap verification rows: a wide, deep tree pays. Costly rows: a smaller budget wins. Output stays exact."""
+    cheap = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3)
+    saved = engine.tree, engine._tuner
+    engine.tree, engine._tuner = "auto", cheap
+    try:
+        gen = engine.generate(PROMPT, max_new_tokens=30)
+    finally:
+        engine.tree, engine._tuner = saved
+    assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 30]
+    assert {r["policy"] for r in cheap.history} and gen.stats.rounds > cheap.explore_rounds
+    wide = cheap.history[0]["policy"]
+    assert wide.top_k > 1  # the true token is often not the drafter's first choice
+    steep = TreeTuner(Costs([1, 65], [0.010, 0.500], [1, 16], [0.001, 0.001]))
+    steep.explored = cheap.explored
+    assert steep.choose().budget < wide.budget
