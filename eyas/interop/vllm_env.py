@@ -134,5 +134,6 @@ def run_vllm(job: dict | list[dict], env: dict | None = None, log: str | Path | 
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             )
         if result.returncode or not out_file.exists():
-            raise VllmEnvError(f"vLLM job failed (exit {result.returncode}); the last lines of its output:\n{_tail(log_file)}")
+            tail = _tail(log_file)
+            raise VllmEnvError(f"vLLM job failed (exit {result.returncode}); the last lines of its output:\n{tail}")
         return json.loads(out_file.read_text())

