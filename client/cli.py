@@ -297,6 +297,23 @@ def format_status(status: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmark eyas against Hugging Face (plain and assisted), vLLM (plain and EAGLE) and its own service."""
+    from .bench import SYSTEMS, main_bench
+
+    _quiet_loading()
+    systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else SYSTEMS
+    result = main_bench(args.suite, args.json, args.png, args.prompts, systems, args.blocks, args.max_new_tokens)
+    for entry in result["systems"]:
+        speedup = entry["speedup_vs_hf"]
+        accept = entry["mean_accept_length"]
+        print(
+            f"{entry['system']:>13} {entry['drafter']:>8} t={entry['temperature']:<4} {entry['tokens_per_s']:8.1f} tok/s"
+            f"  x{speedup or 0:5.2f}  accept {accept or 0:5.2f}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE speculative decoding: engine, service and tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -371,6 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     vllm_setup = sub.add_parser("vllm-setup", help="create the vLLM environment", description=cmd_vllm_setup.__doc__)
     vllm_setup.set_defaults(func=cmd_vllm_setup)
+
+    bench = sub.add_parser("bench", help="benchmark against the peers", description=cmd_bench.__doc__)
+    bench.add_argument("--suite", default="demo", help="model and prompt suite (demo: the bundled models)")
+    bench.add_argument("--json", required=True, help="where the JSON results go")
+    bench.add_argument("--png", help="directory for PNG charts")
+    bench.add_argument("--prompts", type=int, default=30, help="held-out prompts (default 30)")
+    bench.add_argument("--systems", help="comma-separated subset of hf,hf-assisted,vllm,vllm-eagle,eyas,eyas-service")
+    bench.add_argument("--blocks", type=int, default=3, help="prompt blocks interleaved across systems (default 3)")
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.set_defaults(func=cmd_bench)
 
     add_trace_commands(sub)
     return parser
