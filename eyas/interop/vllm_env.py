@@ -57,14 +57,22 @@ def ensure_vllm_python(progress=None) -> Path:
     say = progress or (lambda message: print(f"eyas vllm: {message}", file=sys.stderr, flush=True))
     venv = vllm_venv_dir()
     python = venv / "bin" / "python"
-    if (venv / READY_FILE).exists() and python.exists():
+    if _ready(venv):
         return python
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be creating the same venv
-        if not (venv / READY_FILE).exists():
+        if not _ready(venv):
             _create(venv, say)
     return python
+
+
+def _ready(venv: Path) -> bool:
+    """Whether `venv` was completed by `_create` for this vLLM version."""
+    ready = venv / READY_FILE
+    if not (ready.exists() and (venv / "bin" / "python").exists()):
+        return False
+    return json.loads(ready.read_text()).get("vllm") == VLLM_VERSION
 
 
 def _create(venv: Path, say) -> None:
