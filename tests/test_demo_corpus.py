@@ -1,0 +1,67 @@
+"""Demo corpus, tokenizer and LM-training recipe, on tiny inputs."""
+
+import json
+import math
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eyas.demo.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
+from eyas.demo.lm import train_lm
+from eyas.demo.tokenizer import EOT, PAD, train_tokenizer
+
+TRICKY = "def f(x):\n\treturn 'héllo ✓ 日本'  \r\n\n    \x0c  # trailing   \n\n"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return collect()
+
+
+@pytest.fixture(scope="module")
+def tiny(corpus, tmp_path_factory):
+    """A five-document corpus, two held-out documents and a vocab-300 tokenizer trained on the former."""
+    small = sorted(corpus.train, key=lambda d: len(d.text))[200:205]
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer([d.text for d in small], vocab_size=300, out_dir=out)
+    return Corpus(corpus.root, small, corpus.heldout[:2]), out
+
+
+def test_heldout_split_is_fixed_and_disjoint(corpus):
+    train, heldout = {d.path for d in corpus.train}, corpus.heldout_modules
+    assert heldout == [p for p in HELDOUT_MODULES if p in heldout] and len(heldout) >= 35
+    assert not train & set(heldout)
+    assert not any(part in {"test", "tests", "idle_test", "site-packages"} for p in train for part in p.split("/")[:-1])
+    again = collect()
+    assert again.heldout_modules == heldout and [d.path for d in again.train] == [d.path for d in corpus.train]
+
+
+def test_tokenizer_round_trips_and_has_special_tokens(tiny):
+    corpus, tok_dir = tiny
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    assert len(tok) == 300
+    assert tok.bos_token == tok.eos_token == EOT and tok.pad_token == PAD and tok.pad_token_id != tok.eos_token_id
+    for text in [d.text for d in corpus.train + corpus.heldout] + [TRICKY]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_heldout_prompts_are_deterministic(corpus, tiny):
+    tok = AutoTokenizer.from_pretrained(tiny[1], local_files_only=True)
+    a, b = heldout_prompts(tok, 12, max_tokens=100, corpus=corpus), heldout_prompts(tok, 12, max_tokens=100)
+    assert a == b and len(a) == 12 and len({p.id for p in a}) == 12
+    assert all(p.id.split(":")[0] in corpus.heldout_modules and len(tok.encode(p.text)) <= 100 for p in a)
+    assert len({p.id.split(":")[0] for p in a}) >= 6  # round-robin over modules
+    assert all(p.text.rstrip() == p.text and "def " in p.text for p in a)
+
+
+def test_train_lm_two_steps_saves_loadable_model(tiny, tmp_path):
+    corpus, tok_dir = tiny
+    cfg = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
+    report = train_lm(tmp_path, tok_dir, cfg, steps=2, corpus=corpus, seq_len=32, batch_size=2, eval_tokens=256)
+    saved = json.loads((tmp_path / "train_report.json").read_text())
+    assert saved["steps"] == 2 and math.isfinite(saved["final_train_loss"]) and math.isfinite(saved["heldout_loss"])
+    assert saved == json.loads(json.dumps(report))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert model.config.hidden_size == 32 and model.config.vocab_size == len(tok) == 300
+    assert model.generation_config.pad_token_id == tok.pad_token_id
