@@ -193,8 +193,8 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
         out_root=args.out,
         work_dir=args.work_dir,
         base=not args.skip_base,
-        target_minutes=args.target_minutes,
-        draft_lm_minutes=args.draft_lm_minutes,
+        target_steps=args.target_steps,
+        draft_lm_steps=args.draft_lm_steps,
         drafter_steps=args.drafter_steps,
         kinds=args.only or ("eagle1", "hass", "eagle3"),
         prompts=args.prompts,
@@ -369,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", default="models/demo", help="where the demo models go (default models/demo)")
     build.add_argument("--work-dir", default="runs/demo", help="training logs, checkpoints, feature caches")
     build.add_argument("--skip-base", action="store_true", help="reuse the existing target and draft LM")
-    build.add_argument("--target-minutes", type=float, default=24.0)
-    build.add_argument("--draft-lm-minutes", type=float, default=4.0)
+    build.add_argument("--target-steps", type=int, help="target training steps (default: eyas.demo.build.TARGET_STEPS)")
+    build.add_argument("--draft-lm-steps", type=int, help="draft LM training steps (default: eyas.demo.build.DRAFT_LM_STEPS)")
     build.add_argument("--drafter-steps", type=int, help="override every drafter recipe's max_steps")
     build.add_argument("--only", nargs="+", choices=["eagle1", "hass", "eagle3"], help="train only these drafters")
     build.add_argument("--prompts", type=int, default=50, help="held-out prompts for the acceptance report")

@@ -209,3 +209,11 @@ def test_bundled_recipes_are_valid():
         recipe = Recipe.from_yaml(path)
         objective = Objective.preset(recipe.recipe, **recipe.objective)
         assert objective.kind == recipe.recipe == path.stem
+
+
+def test_bf16_autocast_trains_with_float32_weights_and_losses(world):
+    trainer = Trainer(recipe(world, "eagle3", bf16=True, max_steps=2))
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    reference = Trainer(recipe(world, "eagle3", max_steps=2))
+    assert losses[0] == pytest.approx(reference.train_step()["loss"], rel=0.05)
+    assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())

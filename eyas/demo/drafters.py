@@ -13,7 +13,7 @@ from ..drafters.checkpoint import WEIGHTS_FILE
 from ..manifest import MANIFEST_FILE
 from ..train.recipe import Recipe
 from ..train.trainer import LOG_FILE, Trainer
-from .build import build_base_models
+from .build import DRAFT_LM_STEPS, TARGET_STEPS, build_base_models
 from .report import measure, write_report
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "train"
@@ -44,8 +44,8 @@ def build_demo(
     out_root: str | Path = "models/demo",
     work_dir: str | Path = "runs/demo",
     base: bool = True,
-    target_minutes: float = 24.0,
-    draft_lm_minutes: float = 4.0,
+    target_steps: int | None = None,
+    draft_lm_steps: int | None = None,
     drafter_steps: int | None = None,
     kinds: tuple[str, ...] = ("eagle1", "hass", "eagle3"),
     prompts: int = 50,
@@ -54,7 +54,7 @@ def build_demo(
     """Base models (unless reused), each drafter from configs/train/<kind>.yaml, then REPORT.md."""
     out_root, work_dir = Path(out_root), Path(work_dir)
     if base:
-        build_base_models(out_root, target_minutes, draft_lm_minutes)
+        build_base_models(out_root, target_steps or TARGET_STEPS, draft_lm_steps or DRAFT_LM_STEPS)
     training = {}
     for kind in kinds:
         recipe = Recipe.from_yaml(

@@ -36,6 +36,7 @@ class Recipe:
     draft_vocab_size: int | None = None
     feature_layers: list[int] | None = None
     features: str = "online"
+    bf16: bool = False  # bfloat16 autocast for the teacher and drafter forwards; weights, softmax and losses stay fp32
     eval_every: int = 200
     eval_batches: int = 8
     save_every: int = 500

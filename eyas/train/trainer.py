@@ -69,6 +69,13 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return factor
 
 
+def as_float32(features: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher tensors in float32, keeping "hidden is features" (EAGLE-1 taps the final hidden state itself)."""
+    same = hidden is features
+    features = features.float()
+    return features, features if same else hidden.float()
+
+
 def model_kind(recipe_kind: str) -> str:
     """HASS trains the EAGLE-1 architecture; only its objective differs."""
     return "eagle3" if recipe_kind == "eagle3" else "eagle1"
@@ -183,14 +190,19 @@ class Trainer:
             ]
             noise = gather_rows(plan, batch.tokens, local_noise)["source_feature"]
         world = self.comm.world if distributed else 1
-        return rollout_loss(
-            self.drafter, plan, teacher, self.objective, noise, lambda mask: float(reduce(mask.sum().double())) / world
-        )
+        with self.autocast():
+            return rollout_loss(
+                self.drafter, plan, teacher, self.objective, noise, lambda mask: float(reduce(mask.sum().double())) / world
+            )
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.recipe.bf16)
 
     def train_step(self) -> dict:
         """One optimizer step (or a skip when the batch has no supervised row: no update, no weight decay)."""
         index = self.local(self.batch_index(self.step))
-        feats, hidden = self.features(index)
+        with self.autocast():
+            feats, hidden = as_float32(*self.features(index))
         loss, metrics = self.losses(self.train_data.select(index), feats, hidden, self.step, distributed=True)
         self.step += 1
         if loss is None:
@@ -220,7 +232,8 @@ class Trainer:
         self.drafter.eval()
         for i in range(min(self.recipe.eval_batches, -(-len(data) // b))):
             index = torch.arange(i * b, min((i + 1) * b, len(data)))
-            feats, hidden = source(index)
+            with self.autocast():
+                feats, hidden = as_float32(*source(index))
             loss, metrics = self.losses(data.select(index), feats, hidden, None, distributed=False)
             if loss is None:
                 continue
