@@ -183,7 +183,7 @@ def test_memory_returns_to_baseline_after_200_requests(svc):
 
 def test_scaling_both_pools_while_requests_run_fails_nothing(svc):
     client = svc["client"]
-    prompts, lengths = PROMPTS[8:16], [120] * 8  # still running when the pools shrink
+    prompts, lengths = PROMPTS[8:16], [80] * 8  # still running when the pools shrink
     started = [threading.Event() for _ in prompts]
     results = [None] * len(prompts)
 
