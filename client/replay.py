@@ -9,6 +9,7 @@ the model-free invariant checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -88,7 +89,7 @@ class _Unseeded:
         pass
 
 
-def rebuild_request(request: TracedRequest, decode=None) -> RequestState:
+def rebuild_request(request: TracedRequest, decode: Callable[[list[int]], str] | None = None) -> RequestState:
     """The committed state a traced request began with; raises RequestError naming what the record lacks."""
     begin = request.start
     if begin is None:

@@ -104,9 +104,9 @@ def format_round(request: TracedRequest, rnd: Round, label: Label = str) -> str:
         mark = "*" if row in accepted else " "
         lines.append(f"{lead}{branch}{mark}[{row}] {label(tokens[row])}  {probs[row]:.3f} / {target[row]:.3f}")
         children = tree.children(row)
+        below = lead + ("" if not branch else "    " if branch == "└── " else "│   ")
         for i, child in enumerate(children):
-            last = i == len(children) - 1
-            walk(child, lead + ("" if not branch else "    " if branch == "└── " else "│   "), "└── " if last else "├── ")
+            walk(child, below, "└── " if i == len(children) - 1 else "├── ")
 
     walk(0, "  ", "")
     return "\n".join(lines)

@@ -40,8 +40,8 @@ def test_trace_show_prints_the_summary_and_a_round_as_an_indented_tree(recorded,
     path, target = recorded
     assert main(["trace", "show", str(path), "--round", "2", "--target", str(target)]) == 0
     out = capsys.readouterr().out
-    for heading in ("2 requests", "acceptance length", "accepted length", "acceptance by depth", "draft confidence against observed acceptance"):
-        assert heading in out
+    headings = ("2 requests", "acceptance length", "accepted length", "acceptance by depth", "draft confidence against observed")
+    assert all(heading in out for heading in headings)
     assert re.search(r"req-0 +prompt 4 tokens, \d+ rounds, 10 tokens, length", out)
     tree, decision, _, _ = decode_round(read_trace(path).requests[0].rounds[2])
     nodes = re.findall(r"([* ])\[(\d+)\] ('w\d+')  (\d\.\d{3}) / (\d\.\d{3})", out)

@@ -113,9 +113,11 @@ def check_request(request: TracedRequest) -> list[Violation]:
     end = request.end
     if end is not None:
         if end.output_ids != output:
-            out.append(Violation(request.key, None, "output", f"the end record's output {end.output_ids} is not the rounds' {output}", end.offset))
+            detail = f"the end record's output {end.output_ids} is not the rounds' {output}"
+            out.append(Violation(request.key, None, "output", detail, end.offset))
         if end.version != version and not end.error:
-            out.append(Violation(request.key, None, "versions", f"the request ends at version {end.version}, expected {version}", end.offset))
+            detail = f"the request ends at version {end.version}, expected {version}"
+            out.append(Violation(request.key, None, "versions", detail, end.offset))
     return out
 
 
