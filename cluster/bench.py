@@ -39,51 +39,56 @@ def prompts_for(vocab_size: int, count: int, length: int, seed: int) -> list[lis
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def in_process(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """One request at a time in this process: outputs, per-round phase seconds, tokens/s."""
-    engine.generate(prompts[0], max_new_tokens=8)  # warm-up
-    outputs, rounds, phases, tokens = [], 0, dict.fromkeys(ENGINE_PHASES, 0.0), 0
-    started = time.perf_counter()
+def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Each prompt in this process, then through the service, alternating so both see the same machine load."""
+    local = dict.fromkeys(ENGINE_PHASES, 0.0)
+    remote = dict.fromkeys(SERVICE_PHASES, 0.0)
+    local_wall = remote_wall = 0.0
+    rounds = tokens = 0
+    identical, outputs = True, []
     for prompt in prompts:
+        started = time.perf_counter()
         gen = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
+        local_wall += time.perf_counter() - started
+        started = time.perf_counter()
+        result = client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+        remote_wall += time.perf_counter() - started
+        identical &= result.token_ids == gen.token_ids
         outputs.append(gen.token_ids)
         rounds += gen.stats.rounds
         tokens += len(gen.token_ids)
         for phase in ENGINE_PHASES:
-            phases[phase] += gen.stats.seconds[phase]
-    wall = time.perf_counter() - started
+            local[phase] += gen.stats.seconds[phase]
+        for phase in SERVICE_PHASES:
+            remote[phase] += result.stats["service_seconds"][phase]
     return {
+        "identical": identical,
         "outputs": outputs,
         "rounds": rounds,
-        "ms_per_round": 1e3 * sum(phases.values()) / rounds,
-        "phases_ms_per_round": {p: 1e3 * s / rounds for p, s in phases.items()},
-        "tokens_per_s": tokens / wall,
+        "in_process_ms_per_round": 1e3 * sum(local.values()) / rounds,
+        "in_process_phases_ms_per_round": {p: 1e3 * s / rounds for p, s in local.items()},
+        "service_ms_per_round": 1e3 * sum(remote.values()) / rounds,
+        "service_breakdown_ms_per_round": {p: 1e3 * s / rounds for p, s in remote.items()},
+        "in_process_tokens_per_s": tokens / local_wall,
+        "service_tokens_per_s": tokens / remote_wall,
     }
 
 
-def through_service(client: Client, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> dict:
-    """The same requests through the service: one at a time (with the overhead split), then `concurrency` at once."""
-    options = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
-    client.generate(prompts[0], max_new_tokens=8)  # warm-up
+def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """All prompts at once through the service: tokens/s and how busy each pool's workers were."""
+    before = busy_seconds(client)
     started = time.perf_counter()
-    results = [client.generate(p, **options) for p in prompts]
-    sequential_wall = time.perf_counter() - started
-    rounds = sum(r.stats["rounds"] for r in results)
-    phases = {p: sum(r.stats["service_seconds"][p] for r in results) for p in SERVICE_PHASES}
-    tokens = sum(len(r.token_ids) for r in results)
-    started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        concurrent = list(pool.map(lambda p: client.generate(p, **options), prompts))
-    concurrent_wall = time.perf_counter() - started
-    return {
-        "outputs": [r.token_ids for r in results],
-        "concurrent_outputs": [r.token_ids for r in concurrent],
-        "rounds": rounds,
-        "ms_per_round": 1e3 * sum(phases.values()) / rounds,
-        "breakdown_ms_per_round": {p: 1e3 * s / rounds for p, s in phases.items()},
-        "sequential_tokens_per_s": tokens / sequential_wall,
-        "concurrent_tokens_per_s": sum(len(r.token_ids) for r in concurrent) / concurrent_wall,
-    }
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: client.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True), prompts))
+    wall = time.perf_counter() - started
+    busy = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
+    return {"outputs": [r.token_ids for r in results], "tokens_per_s": sum(len(r.token_ids) for r in results) / wall, "busy": busy}
+
+
+def busy_seconds(client: Client) -> dict[str, float]:
+    """Compute seconds each pool's workers have spent serving calls, per worker on average."""
+    pools = client.status()["pools"]
+    return {p["name"]: sum(w["busy_seconds"] for w in p["workers"]) / len(p["workers"]) for p in pools}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         target_pool=PoolConfig(replicas=args.target_workers, num_cpus=1, threads=1),
         ray_num_cpus=max(workers, os.cpu_count() or 1),  # logical CPUs: every worker gets its bundle
     )
-    local_runs, service_runs = [], []
+    sequential, parallel = [], []
     with Service(config, port=0) as service, Client(service.address) as client:
+        engine.generate(prompts[0], max_new_tokens=8)  # warm-up both paths
+        client.generate(prompts[0], max_new_tokens=8)
         for _ in range(args.repeats):
-            local_runs.append(in_process(engine, prompts, args.max_new_tokens))
-            service_runs.append(through_service(client, prompts, args.max_new_tokens, args.requests))
+            sequential.append(one_at_a_time(engine, client, prompts, args.max_new_tokens))
+            parallel.append(concurrently(client, prompts, args.max_new_tokens))
 
     def median(runs: list[dict], *keys: str) -> float:
         values = []
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             values.append(run)
         return statistics.median(values)
 
-    local_ms, service_ms = median(local_runs, "ms_per_round"), median(service_runs, "ms_per_round")
+    local_ms, service_ms = median(sequential, "in_process_ms_per_round"), median(sequential, "service_ms_per_round")
+    one, many = median(sequential, "service_tokens_per_s"), median(parallel, "tokens_per_s")
     record = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
         "models": {"target": target, "drafter": drafter, "tree": vars(config.tree)},
@@ -134,21 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
-        "identical_outputs": all(s["outputs"] == l["outputs"] == s["concurrent_outputs"] for s, l in zip(service_runs, local_runs)),
-        "rounds": local_runs[0]["rounds"],
-        "tokens_per_round": args.requests * args.max_new_tokens / local_runs[0]["rounds"],
+        "identical_outputs": all(run["identical"] for run in sequential)
+        and all(run["outputs"] == sequential[0]["outputs"] for run in parallel),
+        "rounds": sequential[0]["rounds"],
+        "tokens_per_round": args.requests * args.max_new_tokens / sequential[0]["rounds"],
         "one_at_a_time": {
             "in_process_ms_per_round": local_ms,
-            "in_process_phases_ms_per_round": {p: median(local_runs, "phases_ms_per_round", p) for p in ENGINE_PHASES},
+            "in_process_phases_ms_per_round": {p: median(sequential, "in_process_phases_ms_per_round", p) for p in ENGINE_PHASES},
             "service_ms_per_round": service_ms,
-            "service_breakdown_ms_per_round": {p: median(service_runs, "breakdown_ms_per_round", p) for p in SERVICE_PHASES},
+            "service_breakdown_ms_per_round": {p: median(sequential, "service_breakdown_ms_per_round", p) for p in SERVICE_PHASES},
             "service_overhead": service_ms / local_ms - 1,
         },
         "throughput": {
-            "in_process_tokens_per_s": median(local_runs, "tokens_per_s"),
-            "service_one_at_a_time_tokens_per_s": median(service_runs, "sequential_tokens_per_s"),
-            f"service_{args.requests}_concurrent_tokens_per_s": median(service_runs, "concurrent_tokens_per_s"),
-            "concurrency_gain": median(service_runs, "concurrent_tokens_per_s") / median(service_runs, "sequential_tokens_per_s"),
+            "in_process_tokens_per_s": median(sequential, "in_process_tokens_per_s"),
+            "service_one_at_a_time_tokens_per_s": one,
+            f"service_{args.requests}_concurrent_tokens_per_s": many,
+            "concurrency_gain": many / one,
+            "concurrent_busy_fraction_per_worker": {pool: median(parallel, "busy", pool) for pool in ("draft", "target")},
         },
     }
     json.dump(record, sys.stdout, indent=2)
