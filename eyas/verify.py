@@ -42,6 +42,14 @@ def node_probs(tree: FlattenedTree, probs: torch.Tensor) -> tuple[float, ...]:
     return (1.0, *probs[tree.parents[1:], tree.tokens[1:]].tolist())
 
 
+def node_probs_from_logits(tree: FlattenedTree, logits: torch.Tensor) -> tuple[float, ...]:
+    """`node_probs` of the softmax of [N, V] logits, normalising only the rows that are parents (cheap for greedy)."""
+    parents = tree.parents[1:]
+    rows, index = torch.unique(parents, return_inverse=True)
+    log_norm = torch.logsumexp(logits[rows].to(torch.float64), dim=-1)
+    return (1.0, *(logits[parents, tree.tokens[1:]].to(torch.float64) - log_norm[index]).exp().tolist())
+
+
 def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> AcceptanceDecision:
     """Longest path whose every token is the target argmax at its parent, plus the argmax after it.
 
@@ -57,8 +65,9 @@ def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> AcceptanceDeci
         rows.append(match[0])
     frontier = best[rows[-1]]
     prob = torch.softmax(logits[rows[-1]].to(torch.float64), dim=-1)[frontier].item()
-    probs = node_probs(tree, torch.softmax(logits.to(torch.float64), dim=-1))
-    return AcceptanceDecision(tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob, (), probs)
+    return AcceptanceDecision(
+        tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob, (), node_probs_from_logits(tree, logits)
+    )
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:
