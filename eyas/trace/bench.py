@@ -2,11 +2,12 @@
 
     python -m eyas.trace.bench [--target DIR --drafter DIR] [--repeats N] [--max-new-tokens N]
 
-Runs the same prompts with tracing off and on, alternating the order each repeat, and reports the
-seconds per round of both, the overhead (median of the per-repeat ratios, minus one), and the
+Runs every prompt with tracing off and on, back to back in alternating order, and reports seconds
+per round of both (process CPU time, which other processes on a busy machine disturb far less than
+wall time; wall time too), the overhead (median over repeats of on/off, minus one), and the
 recorder's own cost per round (encoding the round's messages and record, writing and flushing it),
-timed directly on the recorded rounds, which noise on a busy machine does not blur. In the service
-the coordinator cuts the messages out of bytes it already holds, so the in-process figure bounds it.
+timed directly on the recorded rounds. In the service the coordinator cuts the messages out of
+bytes it already holds, so the in-process figure bounds its cost.
 """
 
 from __future__ import annotations
@@ -36,26 +37,28 @@ PROMPTS = [
 
 
 def trace_overhead(engine: Engine, prompts: list[str], max_new_tokens: int = 64, repeats: int = 5) -> dict:
-    """Seconds per round with tracing off and on, the overhead, and the recorder's direct cost per round."""
+    """Seconds per round with tracing off and on (CPU and wall), the overheads, and the recorder's direct cost."""
+    clocks = {"cpu": time.process_time, "wall": time.perf_counter}
     with tempfile.TemporaryDirectory() as tmp:
         writer = TraceWriter(Path(tmp) / "bench.trace")
         engine.generate(prompts[0], max_new_tokens=8, trace=writer)  # warm up both paths
         engine.generate(prompts[0], max_new_tokens=8)
-        per_round: dict[bool, list[float]] = {False: [], True: []}
-        rounds = 0
+        per_round = {(clock, traced): [] for clock in clocks for traced in (False, True)}
         records = []
         for repeat in range(repeats):
-            for traced in (False, True) if repeat % 2 == 0 else (True, False):
-                seconds, count = 0.0, 0
-                for prompt in prompts:
-                    started = time.perf_counter()
+            spent = dict.fromkeys(per_round, 0.0)
+            rounds = dict.fromkeys((False, True), 0)
+            for i, prompt in enumerate(prompts):
+                for traced in (False, True) if (repeat + i) % 2 == 0 else (True, False):
+                    started = {clock: read() for clock, read in clocks.items()}
                     gen = engine.generate(
                         prompt, max_new_tokens=max_new_tokens, trace=writer if traced else None, on_round=records.append
                     )
-                    seconds += time.perf_counter() - started
-                    count += gen.stats.rounds
-                per_round[traced].append(seconds / count)
-                rounds += count
+                    for clock, read in clocks.items():
+                        spent[clock, traced] += read() - started[clock]
+                    rounds[traced] += gen.stats.rounds
+            for clock, traced in per_round:
+                per_round[clock, traced].append(spent[clock, traced] / rounds[traced])
         request = engine.new_request(prompts[0])
         recorder = RequestRecorder(writer.write, request, engine.tree, engine.manifest.id, engine.manifest.to_dict(), "local")
         started = time.perf_counter()
@@ -63,17 +66,16 @@ def trace_overhead(engine: Engine, prompts: list[str], max_new_tokens: int = 64,
             recorder.local_round(record)
         direct = (time.perf_counter() - started) / len(records)
         writer.close()
-    ratios = [on / off for off, on in zip(per_round[False], per_round[True])]
-    off = statistics.median(per_round[False])
-    return {
-        "rounds": rounds,
-        "seconds_per_round_off": off,
-        "seconds_per_round_on": statistics.median(per_round[True]),
-        "overhead": statistics.median(ratios) - 1.0,
-        "overhead_per_repeat": [r - 1.0 for r in ratios],
-        "recorder_seconds_per_round": direct,
-        "recorder_share": direct / off,
-    }
+    result: dict = {"rounds": len(records)}
+    for clock in clocks:
+        off, on = per_round[clock, False], per_round[clock, True]
+        result[f"{clock}_seconds_per_round_off"] = statistics.median(off)
+        result[f"{clock}_seconds_per_round_on"] = statistics.median(on)
+        result[f"{clock}_overhead"] = statistics.median(b / a for a, b in zip(off, on)) - 1.0
+        result[f"{clock}_overhead_per_repeat"] = [b / a - 1.0 for a, b in zip(off, on)]
+    result["recorder_seconds_per_round"] = direct
+    result["recorder_share"] = direct / result["cpu_seconds_per_round_off"]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
