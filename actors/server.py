@@ -97,9 +97,10 @@ async def start_server(
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
     )
     register(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise OSError(f"port: cannot listen on {host}:{port} (in use?): {exc}") from None
     await server.start()
     return server, bound
 

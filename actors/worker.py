@@ -63,6 +63,10 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...] = ()
 
 
+class WorkerStartError(RuntimeError):
+    """A worker could not load its models; the message names the original error."""
+
+
 def rss_bytes() -> int:
     """Resident set size of this process."""
     try:
@@ -112,7 +116,10 @@ class Worker:
         loop = asyncio.get_running_loop()
         torch.set_num_threads(self.spec.threads)
         hf_logging.disable_progress_bar()
-        await loop.run_in_executor(self._compute, self.load)
+        try:
+            await loop.run_in_executor(self._compute, self.load)
+        except Exception as exc:  # engine errors take several arguments; a plain one crosses Ray intact
+            raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
         methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in self.endpoints().items()}
         methods["Release"] = self._unary(pb.Release, self.release)
         methods["Health"] = grpc.unary_unary_rpc_method_handler(self._health)

@@ -69,6 +69,7 @@ def generate_service(args: argparse.Namespace) -> int:
         with Client(args.server, token=args.token) as client:
             return _print_generation(client, args, client.health()["manifest_id"], tree_args(args))
     from eyas.cluster.config import ServiceConfig
+    from eyas.cluster.pools import PoolError
     from eyas.cluster.service import Service
 
     config = ServiceConfig.load(args.config)
@@ -77,8 +78,16 @@ def generate_service(args: argparse.Namespace) -> int:
     config = replace(config, tree=replace(config.tree, **tree_args(args)))
     if args.allow_manifest_mismatch:
         config = replace(config, allow_manifest_mismatch=True)
-    with Service(config, port=0) as service, Client(service.address, token=config.shared_token) as client:
-        return _print_generation(client, args, client.health()["manifest_id"], None)
+    try:
+        service = Service(config, port=0).start()
+    except (PoolError, OSError) as exc:
+        print(f"eyas generate: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with Client(service.address, token=config.shared_token) as client:
+            return _print_generation(client, args, client.health()["manifest_id"], None)
+    finally:
+        service.stop()
 
 
 def _print_generation(client, args: argparse.Namespace, manifest_id: str, tree: dict | None) -> int:
@@ -233,16 +242,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
     and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
     from eyas.cluster.config import ServiceConfig
+    from eyas.cluster.pools import PoolError
     from eyas.cluster.service import serve
 
     _quiet_loading()
-    serve(
-        ServiceConfig.load(args.config),
-        args.address,
-        args.port,
-        lambda address: print(f"eyas ready at {address}", flush=True),
-        trace=args.trace,
-    )
+    try:
+        serve(
+            ServiceConfig.load(args.config),
+            args.address,
+            args.port,
+            lambda address: print(f"eyas ready at {address}", flush=True),
+            trace=args.trace,
+        )
+    except (PoolError, OSError) as exc:
+        print(f"eyas serve: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

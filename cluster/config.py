@@ -134,9 +134,12 @@ class ServiceConfig:
 
     def models(self) -> tuple[str, str]:
         """Absolute target and drafter directories (the bundled demo models when not configured)."""
-        target = self.target or str(demo_model("target"))
-        drafter = self.drafter or str(demo_model(DEFAULT_DRAFTER))
-        return str(Path(target).resolve()), str(Path(drafter).resolve())
+        target = Path(self.target or demo_model("target")).resolve()
+        drafter = Path(self.drafter or demo_model(DEFAULT_DRAFTER)).resolve()
+        for key, path in (("models.target", target), ("models.drafter", drafter)):
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"{key}: {path} is not a model directory (no config.json)")
+        return str(target), str(drafter)
 
     def worker_spec(self, pool: PoolConfig) -> WorkerSpec:
         target, drafter = self.models()

@@ -28,6 +28,13 @@ from .config import PoolConfig
 log = logging.getLogger("eyas.cluster")
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception a chain of Ray task errors started from."""
+    while isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    return exc
+
+
 class PoolError(RuntimeError):
     """A pool cannot reach its size (no resources, a worker failed to start, or no worker came up in time)."""
 
@@ -98,7 +105,7 @@ class Pool:
         except Exception as exc:
             ray.kill(actor)
             remove_placement_group(group)
-            raise PoolError(f"pools.{self.name}: {worker_id} failed to start: {exc}") from exc
+            raise PoolError(f"pools.{self.name}: {worker_id} failed to start: {root_cause(exc)}") from exc
         client = WorkerClient(self.name, worker_id, info.address, self._spec.token, self._rpc_timeout)
         return Member(worker_id, actor, group, info, client)
 

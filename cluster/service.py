@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from eyas.actors.coordinator import Coordinator
 
 from .config import ServiceConfig
+from .pools import root_cause
 
 DEFAULT_PORT = 50051
 
@@ -38,6 +39,7 @@ class Service:
 
     def start(self) -> "Service":
         """Start (or join) Ray, then the coordinator and both pools; returns once the front door serves."""
+        self.config.models()  # a missing model directory is reported before anything starts
         if not ray.is_initialized():
             embedded = self.ray_address is None
             ray.init(
@@ -56,9 +58,12 @@ class Service:
         )
         try:
             self.address = ray.get(self.coordinator.start.remote(self.port))
-        except BaseException:
+        except BaseException as exc:
             self.stop()
-            raise
+            cause = root_cause(exc)
+            if cause is exc:
+                raise
+            raise cause from None
         return self
 
     def stop(self) -> None:
