@@ -48,12 +48,15 @@ class TracedRequest:
 
 @dataclass
 class Trace:
+    """The whole, valid records of a trace file in file order, and what could not be read."""
+
     path: str
     records: list[Record]
     problems: list[TraceProblem]
 
     @property
     def requests(self) -> list[TracedRequest]:
+        """The records grouped by request, in the order the requests started."""
         return group(self.records)
 
     def request(self, key: str) -> TracedRequest:
