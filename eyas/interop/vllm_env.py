@@ -123,6 +123,7 @@ def _check(python: Path, log: Path) -> dict:
 
 
 def _tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log, for error messages."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
