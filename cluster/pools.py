@@ -218,7 +218,12 @@ class Pool:
                 member.state = "retiring"
             self._cond.notify_all()
         if grow > 0:
-            self._add(grow)
+            try:
+                self._add(grow)
+            except PoolError:
+                with self._cond:
+                    self.size = len([m for m in self._members if m.state == "ready"]) + self._pending
+                raise
         deadline = time.monotonic() + self._ready_timeout
         with self._cond:
             while any(m.load for m in retiring):
