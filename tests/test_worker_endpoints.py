@@ -19,6 +19,8 @@ from eyas.actors.errors import field_of
 from eyas.actors.proxy import CallTiming, RemoteDraft, RemoteTarget, WorkerClient
 from eyas.actors.target_worker import TargetWorker
 from eyas.actors.worker import WorkerSpec
+from eyas.cluster.config import PoolConfig
+from eyas.cluster.pools import Pool, PoolError
 from eyas.publish import publish
 from eyas.rounds import run_round, start
 from eyas.tree import DraftTree, TreePolicy, flatten
@@ -218,3 +220,10 @@ def test_servers_bind_loopback_unless_configured_and_then_require_the_token(work
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert WorkerClient("target", "t", f"127.0.0.1:{port}", "s3cret", 30.0).health().role == "target"
     ray.kill(guarded)
+
+
+def test_a_pool_that_cannot_be_placed_fails_naming_pool_and_resources(workers):
+    pool = Pool("target", TargetWorker, PoolConfig(resources={"gpu-node": 1}), workers["spec"], ready_timeout=2.0, rpc_timeout=5.0)
+    with pytest.raises(PoolError, match=r"pools.target: no node could reserve \{'CPU': 1.0, 'gpu-node': 1.0\}"):
+        pool.start()
+    assert pool.members() == []
