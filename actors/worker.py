@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grpc
 import ray
 import torch
-from transformers.utils import logging as hf_logging
 from google.protobuf.message import DecodeError, Message
+from transformers.utils import logging as hf_logging
 
 from eyas.manifest import Manifest
 from eyas.tree import TreeError, TreePolicy
@@ -105,9 +105,11 @@ class Worker:
         raise NotImplementedError
 
     def session_kv_bytes(self, session) -> int:
+        """Cache bytes one session holds."""
         raise NotImplementedError
 
     def info_extra(self) -> dict:
+        """Role-specific fields of `WorkerInfo`."""
         return {}
 
     # -- lifecycle ----------------------------------------------------------------------------
