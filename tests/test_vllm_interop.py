@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from eyas import Engine
@@ -22,6 +22,7 @@ from eyas.drafters.checkpoint import read_weights
 from eyas.interop import export_for_vllm
 from eyas.interop.vllm_env import ensure_vllm_python, run_vllm
 from eyas.manifest import Manifest
+from tiny import make_drafter, make_target
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 DRAFTERS = ("eagle1", "eagle3")  # demo drafter directories
@@ -104,6 +105,25 @@ def test_eagle3_export_keeps_the_fused_feature_and_vocabulary(demo: Path, export
         assert torch.equal(export["d2t"], d2t) and torch.equal(export["lm_head.weight"], head)
     else:
         assert torch.equal(export["lm_head.weight"][target_ids], head)
+
+
+def test_export_rewrites_duplicate_taps_and_a_permuted_vocabulary(tmp_path: Path):
+    """A 4-layer target's taps (2, 2, 1) reach vLLM as layers [1, 2] with the duplicate fc blocks summed, and a
+    full draft vocabulary in another order becomes head rows in target order."""
+    target = make_target(tmp_path / "target")
+    source_dir = make_drafter(tmp_path / "eagle3", target, "eagle3")
+    source = load_file(str(source_dir / "model.safetensors"))
+    vocab = len(source["lm_head.weight"])
+    source["d2t"] = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)) - torch.arange(vocab)
+    save_file(source, str(source_dir / "model.safetensors"))
+    export = export_for_vllm(source_dir, tmp_path / "out", target)
+    weights = load_file(str(export.path / "model.safetensors"))
+    assert json.loads((export.path / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    h1, h2 = torch.randn(8, 64), torch.randn(8, 64)
+    before = torch.cat([h2, h2, h1], -1) @ source["fc.weight"].T
+    torch.testing.assert_close(torch.cat([h1, h2], -1) @ weights["fc.weight"].T, before)
+    assert "d2t" not in weights and "t2d" not in weights
+    assert torch.equal(weights["lm_head.weight"][torch.arange(vocab) + source["d2t"]], source["lm_head.weight"])
 
 
 def test_cli_export(demo: Path, tmp_path: Path, capsys):
