@@ -127,7 +127,8 @@ def test_export_rewrites_duplicate_taps_and_a_permuted_vocabulary(tmp_path: Path
 
 
 def test_cli_export(demo: Path, tmp_path: Path, capsys):
-    assert main(["export", "--format", "vllm", str(demo / "eagle1"), str(tmp_path), "--target", str(demo / "target")]) == 0
+    argv = ["export", "--format", "vllm", str(demo / "eagle1"), str(tmp_path), "--target", str(demo / "target")]
+    assert main(argv) == 0
     assert '"method": "eagle"' in capsys.readouterr().out
     assert json.loads((tmp_path / "config.json").read_text())["bias"] is False
     assert (tmp_path / "eyas_manifest.json").read_text() == (demo / "eagle1" / "eyas_manifest.json").read_text()
