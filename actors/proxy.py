@@ -2,9 +2,9 @@
 
 `RemoteDraft` and `RemoteTarget` implement `eyas.rounds.Drafting` / `Verifying`, so the coordinator
 runs the engine's own `start`, `run_round` and publish transaction against remote workers. The
-publish steps (commit, reseed) are queued and ride on the next Verify / Draft call as explicit,
-versioned messages. Every reply is checked on receipt, and every call's time is split into
-RPC, serialization, queueing and compute.
+publish steps stay explicit, versioned messages: the reseed rides on the next Draft call, the
+commit is sent at once and runs on the target worker while the drafter drafts. Every reply is
+checked on receipt, and every call's time is split into RPC, serialization, queueing and compute.
 """
 
 from __future__ import annotations
@@ -104,11 +104,8 @@ class WorkerClient:
         t0 = time.perf_counter()
         data = build().SerializeToString()
         t1 = time.perf_counter()
-        stub = self._methods.get(method) or self._methods.setdefault(
-            method, self._channel.unary_unary(f"/{self.service}/{method}")
-        )
         try:
-            raw, call = stub.with_call(data, timeout=self.timeout, metadata=self._metadata)
+            raw, call = self._stub(method).with_call(data, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._translate(error) from None
         t2 = time.perf_counter()
@@ -122,6 +119,28 @@ class WorkerClient:
         timing.compute += server["compute"]
         timing.rpc += (t2 - t1) - sum(server.values())
         return value
+
+    def send(self, method: str, build: Callable[[], Message], timing: CallTiming) -> grpc.Future:
+        """Start a call without waiting for its reply (`finish` collects it); its encoding counts as serialization."""
+        t0 = time.perf_counter()
+        data = build().SerializeToString()
+        timing.serialize += time.perf_counter() - t0
+        return self._stub(method).future(data, timeout=self.timeout, metadata=self._metadata)
+
+    def finish(self, future: grpc.Future, reply_type: type[Message], timing: CallTiming) -> Message:
+        """The reply of a call `send` started; only the time still spent waiting for it counts (as RPC)."""
+        t0 = time.perf_counter()
+        try:
+            reply = reply_type.FromString(future.result())
+        except grpc.RpcError as error:
+            raise self._translate(error) from None
+        timing.rpc += time.perf_counter() - t0
+        return reply
+
+    def _stub(self, method: str) -> grpc.UnaryUnaryMultiCallable:
+        if method not in self._methods:
+            self._methods[method] = self._channel.unary_unary(f"/{self.service}/{method}")
+        return self._methods[method]
 
     def _translate(self, error: grpc.RpcError) -> Exception:
         code = error.code()
@@ -205,7 +224,7 @@ class RemoteDraft(RemoteSession):
 
 
 class RemoteTarget(RemoteSession):
-    """`eyas.rounds.Verifying` over gRPC; a commit rides on the next Verify call.
+    """`eyas.rounds.Verifying` over gRPC; a commit is sent at once and runs while the next tree is drafted.
 
     With `keep_wire`, `exchange` holds the last Verify request and reply bytes, for traces.
     """
@@ -223,7 +242,7 @@ class RemoteTarget(RemoteSession):
         super().__init__(client, request_id, manifest_id, timing)
         self.vocab_size = vocab_size
         self.feature_width = feature_width
-        self._commit: tuple[int, tuple[int, ...]] | None = None
+        self._commit: tuple[int, grpc.Future] | None = None
         self.keep_wire = keep_wire
         self.exchange: tuple[bytes, bytes] | None = None
 
@@ -235,15 +254,20 @@ class RemoteTarget(RemoteSession):
         return self.client.call("Prefill", lambda: pb.Prefill(ref=self.ref(version), tokens=tokens), pb.PrefillReply, parse, self.timing)
 
     def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
-        self._commit = (version, tuple(accepted_rows))
+        """The target side of the publish, sent without waiting: it runs while the next tree is drafted,
+        off the round's critical path; `verify` first waits for its acknowledgement."""
+        message = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows)
+        self._commit = (version, self.client.send("Commit", lambda: message, self.timing))
 
     def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
+        if self._commit is not None:
+            committed, future = self._commit
+            self._commit = None
+            self.check_ref(self.client.finish(future, pb.Ack, self.timing).ref, committed)
+
         def build():
             request = self.ref(version)
-            msg = pb.VerifyRequest(ref=request, tree=wire.tree_to_proto(tree, request), sampling=wire.sampling_to_proto(params))
-            if self._commit is not None:
-                msg.commit.CopyFrom(pb.Commit(ref=self.ref(self._commit[0]), accepted_rows=self._commit[1]))
-            return msg
+            return pb.VerifyRequest(ref=request, tree=wire.tree_to_proto(tree, request), sampling=wire.sampling_to_proto(params))
 
         def parse(reply: pb.Verification) -> Verification:
             self.check_ref(reply.ref, version)
@@ -253,9 +277,7 @@ class RemoteTarget(RemoteSession):
             return verification
 
         keep = self._keep if self.keep_wire else None
-        verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
-        self._commit = None
-        return verification
+        return self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
 
     def _keep(self, request: bytes, reply: bytes) -> None:
         self.exchange = (request, reply)

@@ -2,8 +2,9 @@
 
 Serves Prefill (commit the KV of the committed tokens, return their features), Verify (apply a
 carried Commit, then verify a tree: the acceptance decision plus the accepted rows' features)
-and Commit. Sessions are `eyas.target.TargetSession`s; every tree is checked with
-`validate_tree` against the state the verification will run on before anything changes.
+and Commit. Sessions are `eyas.target.TargetSession`s, which check a tree with `validate_tree`
+before verifying it; a tree arriving with a commit is checked against the state after that
+commit before the commit is applied, so a refused message changes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from eyas.engine import eos_token_ids
 from eyas.errors import VersionError
 from eyas.pairing import plan_drafter, target_num_layers
 from eyas.target import TargetModel, TargetSession
-from eyas.tree import validate_tree
+from eyas.tree import TreeError, validate_tree
 from eyas.v1 import round_pb2 as pb
 
 from .server import Clock
@@ -67,19 +68,23 @@ class TargetWorker(Worker):
             raise wire.WireError("tree.ref", "the tree names another request, version or manifest than the call")
         tree = wire.tree_from_proto(msg.tree)
         params = wire.sampling_from_proto(msg.sampling)
-        version, prefix, commit = session.version, session.committed, None
+        limit = self.spec.tree_limit.budget
+        commit = None
         if msg.HasField("commit"):
             self.same_request(msg.ref, msg.commit.ref, "commit.ref")
             commit = (msg.commit.ref.version, tuple(msg.commit.accepted_rows))
             if session.last_commit != commit or session.version != commit[0] + 1:
-                version, prefix = commit[0] + 1, session.committed + len(commit[1])
-        if msg.ref.version != version:
-            raise VersionError("target cache", version, msg.ref.version)
-        validate_tree(tree, vocab_size=self.vocab_size, prefix_len=prefix, budget=self.spec.tree_limit.budget)
+                # Check the tree against the state after the commit before applying it: a refusal changes nothing.
+                if msg.ref.version != commit[0] + 1:
+                    raise VersionError("target cache", commit[0] + 1, msg.ref.version)
+                prefix = session.committed + len(commit[1])
+                validate_tree(tree, vocab_size=self.vocab_size, prefix_len=prefix, budget=limit)
+        if tree.num_rows - 1 > limit:
+            raise TreeError("tokens", f"{tree.num_rows - 1} candidate rows exceed the service's verify budget {limit}")
         clock.lap("decode")
         if commit is not None:
             session.commit(*commit)
-        verification = session.verify(tree, msg.ref.version, params)
+        verification = session.verify(tree, msg.ref.version, params)  # checks version and tree before any change
         clock.lap("compute")
         reply = wire.verification_to_proto(verification, msg.ref)
         clock.lap("encode")

@@ -227,3 +227,33 @@ def test_a_pool_that_cannot_be_placed_fails_naming_pool_and_resources(workers):
     with pytest.raises(PoolError, match=r"pools.target: no node could reserve \{'CPU': 1.0, 'gpu-node': 1.0\}"):
         pool.start()
     assert pool.members() == []
+
+
+def test_a_verify_carrying_a_commit_with_a_bad_tree_applies_neither(workers):
+    """A Commit may ride on the next Verify; if that Verify is refused, the carried commit is not applied either."""
+    live = Live(workers, "carried")
+    engine, request, target = live.engine, live.request, workers["target"]
+    verification = live.target.verify(live.proposal.tree, live.version, request.sampling)  # branch rows now provisional
+    decision = verification.decision
+    request.commit(live.version, [*decision.accepted_tokens, decision.frontier_token])  # publish without the target
+    live.draft.reseed(live.version, verification.features, [*decision.accepted_tokens, decision.frontier_token])
+    proposal = live.draft.propose(request.version, request.root_token, engine.tree)
+    carried = pb.Commit(ref=live.ref(live.version), accepted_rows=decision.accepted_rows)
+    live.version = request.version
+    kv_before = target.health().kv_bytes
+    for tree, field in malformed_trees(proposal.tree, proposal.tree.prefix_len).values():
+        msg = live.verify_msg(tree)
+        msg.commit.CopyFrom(carried)
+        assert refused(target, "Verify", msg) == (INVALID, field)
+        assert target.health().kv_bytes == kv_before  # the branch rows are all still there: no commit happened
+    live.proposal = proposal
+    msg = live.verify_msg()
+    msg.commit.CopyFrom(carried)
+    reply = pb.Verification.FromString(call(target, "Verify", msg))
+    verification = wire.verification_from_proto(reply, workers["infos"][1].feature_width)
+    publish(request, verification.decision, verification.features, live.target, live.draft)
+    while not request.done:
+        run_round(request, live.draft, live.target, engine.tree)
+    live.draft.release()
+    live.target.release()
+    assert request.output == expected_output(workers)
