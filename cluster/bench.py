@@ -21,6 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -34,9 +35,14 @@ ENGINE_PHASES = ("draft", "tree", "verify", "publish")
 SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "coordinator")
 
 
-def prompts_for(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+def prompts_for(engine: Engine, count: int, length: int, seed: int, source: str | None) -> list[list[int]]:
+    """`count` prompts of `length` tokens: windows spread over a text file, or random token ids."""
+    if source is not None:
+        ids = engine.tokenize(Path(source).read_text())
+        step = max(1, (len(ids) - length) // count)
+        return [ids[i * step : i * step + length] for i in range(count)]
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
+    return [[rng.randrange(3, engine.target.vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternate in-process and service runs this often")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-from", help="text file the prompts are cut from (default: random token ids)")
     parser.add_argument("--draft-workers", type=int, default=1)
     parser.add_argument("--target-workers", type=int, default=1)
     args = parser.parse_args(argv)
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     target, drafter = config.models()
     torch.set_num_threads(1)  # as each worker runs
     engine = Engine.from_pretrained(target, drafter, tree=config.tree)
-    prompts = prompts_for(engine.target.vocab_size, args.requests, args.prompt_tokens, args.seed)
+    prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
     workers = args.draft_workers + args.target_workers
     config = replace(
         config,
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": {"draft": args.draft_workers, "target": args.target_workers},
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
+        "prompts_from": args.prompts_from or "random token ids",
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "identical_outputs": all(run["identical"] for run in sequential)
