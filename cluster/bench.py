@@ -4,7 +4,8 @@ Same machine, same models, same prompts, one run: the in-process engine (one tor
 worker) and a local service with one draft and one target worker. Reports per-round time with the
 service's extra cost split into RPC, serialization (with receipt checks), queueing and coordinator
 work; then aggregate tokens/s of N concurrent requests against the same requests one at a time.
-Prints one JSON record.
+CPU time per round is reported beside wall time: on a shared machine, wall time also measures the
+neighbours. Prints one JSON record (Linux: CPU times come from /proc).
 
     python -m eyas.cluster.bench [--target DIR --drafter DIR] [--requests 8] [--max-new-tokens 64]
 """
@@ -45,20 +46,42 @@ def prompts_for(engine: Engine, count: int, length: int, seed: int, source: str 
     return [[rng.randrange(3, engine.target.vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds these processes have used so far (Linux /proc)."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def service_pids(client: Client) -> list[int]:
+    """The coordinator's and every worker's process id (all on this machine)."""
+    workers = [w["pid"] for pool in client.status()["pools"] for w in pool["workers"]]
+    coordinator = [
+        int(pid) for pid in os.listdir("/proc") if pid.isdigit() and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Coordinator")
+    ]
+    return workers + coordinator
+
+
 def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """Each prompt in this process, then through the service, alternating so both see the same machine load."""
+    """Each prompt in this process, then through the service, alternating so both see the same machine load;
+    wall time per round by phase, and CPU time per round (this process, or the coordinator plus workers)."""
     local = dict.fromkeys(ENGINE_PHASES, 0.0)
     remote = dict.fromkeys(SERVICE_PHASES, 0.0)
-    local_wall = remote_wall = 0.0
+    local_wall = remote_wall = local_cpu = remote_cpu = 0.0
     rounds = tokens = 0
     identical, outputs = True, []
+    pids = service_pids(client)
     for prompt in prompts:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         gen = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
         local_wall += time.perf_counter() - started
-        started = time.perf_counter()
+        local_cpu += time.process_time() - cpu
+        started, cpu = time.perf_counter(), cpu_seconds(pids)
         result = client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
         remote_wall += time.perf_counter() - started
+        remote_cpu += cpu_seconds(pids) - cpu
         identical &= result.token_ids == gen.token_ids
         outputs.append(gen.token_ids)
         rounds += gen.stats.rounds
@@ -77,6 +100,8 @@ def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_
         "service_breakdown_ms_per_round": {p: 1e3 * s / rounds for p, s in remote.items()},
         "in_process_tokens_per_s": tokens / local_wall,
         "service_tokens_per_s": tokens / remote_wall,
+        "in_process_cpu_ms_per_round": 1e3 * local_cpu / rounds,
+        "service_cpu_ms_per_round": 1e3 * remote_cpu / rounds,
     }
 
 
@@ -160,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             "service_ms_per_round": service_ms,
             "service_breakdown_ms_per_round": {p: median(sequential, "service_breakdown_ms_per_round", p) for p in SERVICE_PHASES},
             "service_overhead": service_ms / local_ms - 1,
+            "in_process_cpu_ms_per_round": median(sequential, "in_process_cpu_ms_per_round"),
+            "service_cpu_ms_per_round_coordinator_and_workers": median(sequential, "service_cpu_ms_per_round"),
         },
         "throughput": {
             "in_process_tokens_per_s": median(sequential, "in_process_tokens_per_s"),
