@@ -106,14 +106,18 @@ def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_
 
 
 def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """All prompts at once through the service: tokens/s and how busy each pool's workers were."""
-    before = busy_seconds(client)
+    """All prompts at once through the service: tokens/s, how busy each pool's workers were, and how many
+    CPU cores the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain)."""
+    pids = service_pids(client)
+    before, cpu = busy_seconds(client), cpu_seconds(pids)
     started = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: client.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True), prompts))
     wall = time.perf_counter() - started
+    cores = (cpu_seconds(pids) - cpu) / wall
     busy = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
-    return {"outputs": [r.token_ids for r in results], "tokens_per_s": sum(len(r.token_ids) for r in results) / wall, "busy": busy}
+    tokens_per_s = sum(len(r.token_ids) for r in results) / wall
+    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "cores": cores}
 
 
 def busy_seconds(client: Client) -> dict[str, float]:
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             f"service_{args.requests}_concurrent_tokens_per_s": many,
             "concurrency_gain": many / one,
             "concurrent_busy_fraction_per_worker": {pool: median(parallel, "busy", pool) for pool in ("draft", "target")},
+            "concurrent_cpu_cores_used_by_service": median(parallel, "cores"),
         },
     }
     json.dump(record, sys.stdout, indent=2)
