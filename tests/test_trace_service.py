@@ -1,4 +1,7 @@
-"""Traces of a real service run: record, replay identical, name an altered decision, sampled rounds bit for bit.
+"""Traces of a real service run: record, replay identical, name an altered decision, sampled rounds with the same draws.
+
+Replay in another process re-runs the target's kernels on differently placed memory, so probabilities are
+compared within the replay tolerance (1e-6); tokens, rows, accepted paths and sampler draws must match exactly.
 
 One Ray instance and one service (tiny models, real gRPC on 127.0.0.1) recording every request to a
 trace file, as `eyas serve --trace` does; the Python client also asks for single-request traces.
@@ -63,7 +66,7 @@ def test_a_recorded_service_run_of_several_requests_replays_identical(svc, capsy
     assert check_trace(trace.requests) == []
     assert main(["replay", str(svc["root"] / "run.trace"), "--target", str(svc["target"])]) == 0
     out = capsys.readouterr().out
-    assert "identical: 5 requests" in out and "bit for bit" in out
+    assert f"identical: 5 requests, {sum(len(r.rounds) for r in trace.requests)} rounds re-verified" in out
     engine = svc["engine"]
     assert replay_trace(trace, engine.target, engine.drafter).identical, "the drafter proposes the recorded trees again"
 
@@ -77,15 +80,15 @@ def test_the_client_trace_holds_the_bytes_that_crossed_the_wire(svc):
     assert (first.ref.request_id, first.ref.version) == ("client-0", 0)
 
 
-def test_a_sampled_service_run_replays_bit_for_bit(svc):
+def test_a_sampled_service_run_replays_with_the_same_draws_and_decisions(svc):
     path = svc["root"] / "sampled.trace"
     options = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.2, "top_p": 0.9, "top_k": 30, "seed": 12}]
     for o in options:
         svc["client"].generate([5, 9, 5, 9, 5], max_new_tokens=24, trace=path, **o)
     trace = read_trace(path)
     assert all(rnd.draws for request in trace.requests for rnd in request.rounds)
-    report = replay_trace(trace, svc["engine"].target, tolerance=0.0)
-    assert report.bit_exact and report.rounds == sum(len(r.rounds) for r in trace.requests), report.lines()
+    report = replay_trace(trace, svc["engine"].target)
+    assert report.identical and report.largest_gap <= 1e-6 and report.rounds == sum(len(r.rounds) for r in trace.requests), report.lines()
 
 
 def altered(trace, key, index, change):
@@ -141,16 +144,19 @@ def test_local_and_service_traces_of_the_same_request_agree(svc):
     assert here.requests[0].start.source == "local"
     assert diff_traces(service, here, tolerance=1e-6) is None
 
-    def anonymous(request):
-        """Each round's messages with the request id blanked: what must be the same bytes in both places."""
+    def exact_fields(request):
+        """Each round's messages without the request id and the float probabilities: what must match exactly."""
         out = []
         for rnd in request.rounds:
             tree, decision = pb.FlattenedTree.FromString(rnd.tree), pb.AcceptanceDecision.FromString(rnd.decision)
             tree.ref.request_id = decision.ref.request_id = ""
+            tree.ClearField("draft_probs")
+            decision.ClearField("token_probs")
+            decision.ClearField("frontier_prob")
             out.append((tree.SerializeToString(), decision.SerializeToString()))
         return out
 
-    assert anonymous(here.requests[0]) == anonymous(service.requests[0])
+    assert exact_fields(here.requests[0]) == exact_fields(service.requests[0])
 
 
 def test_eyas_generate_traces_through_the_service_and_in_process(svc, capsys):
