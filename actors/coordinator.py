@@ -39,6 +39,7 @@ from eyas.tree import TreeError, TreePolicy
 
 from .draft_worker import DraftWorker
 from .errors import ServiceError
+from .metrics import ServiceMetrics
 from .proxy import CallTiming, RemoteDraft, RemoteTarget, SessionLost, WorkerLost
 from .server import advertised_host
 from .target_worker import TargetWorker
@@ -126,6 +127,9 @@ class Coordinator:
         self.totals = {"completed": 0, "failed": 0, "tokens": 0, "rounds": 0, "rebuilds": 0}
         self.service_seconds = dict.fromkeys(SERVICE_PHASES, 0.0)
         self.started_at = time.monotonic()
+        self.metrics = ServiceMetrics()
+        self.metrics_address = ""
+        self.running = 0  # requests being served now (the concurrency label of metrics)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
         self._frontdoor = None
@@ -136,6 +140,9 @@ class Coordinator:
         from .frontdoor import FrontDoor
 
         await asyncio.to_thread(self.bring_up)
+        if self.config.metrics_port is not None:
+            bound = self.metrics.serve(self.config.metrics_port, self.config.host)
+            self.metrics_address = f"{advertised_host(self.config.host)}:{bound}"
         self._frontdoor = FrontDoor(self)
         bound = await self._frontdoor.start(self.config.host, port, self.config.shared_token)
         return f"{advertised_host(self.config.host)}:{bound}"
@@ -150,6 +157,7 @@ class Coordinator:
             await self._frontdoor.stop()
         await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self.metrics.close()
         if self.trace is not None:
             self.trace.close()
 
@@ -254,6 +262,10 @@ class Coordinator:
     def _serve(self, job: Job) -> None:
         """Place the request, run its rounds until it finishes, then free its caches and report."""
         job.started = True
+        began = time.perf_counter()
+        with self._lock:
+            self.running += 1
+            self.metrics.active.set(self.running)
         error: Exception | None = None
         try:
             while not job.state.done:
@@ -276,12 +288,17 @@ class Coordinator:
                     self._rebuild(job, lost)
                     continue
                 job.stats.add_round(record)
+                self.metrics.observe_round(record, job.timing.as_dict(), self.running)
                 if job.recorder is not None:
                     job.recorder.round(record, *verify_exchange(*job.target_session.exchange), job.timing.as_dict())
                 self._emit(job, record.emitted)
                 self._account(job, time.perf_counter() - t0)
         except Exception as exc:
             error = exc
+        self.metrics.observe_request(time.perf_counter() - began, self.running)
+        with self._lock:
+            self.running -= 1
+            self.metrics.active.set(self.running)
         self._close(job)
         self._conclude(job, error)
 
@@ -434,4 +451,6 @@ class Coordinator:
                 "tree": {"top_k": self.config.tree.top_k, "depth": self.config.tree.depth, "budget": self.config.tree.budget},
                 "uptime_seconds": time.monotonic() - self.started_at,
                 "service_seconds": dict(self.service_seconds),
+                "metrics_address": self.metrics_address,
+                "metrics": self.metrics.snapshot(),
             }

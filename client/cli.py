@@ -308,6 +308,16 @@ def format_status(status: dict) -> str:
                 f"  {w['worker_id']:<10} {w['state']:<8} {w['address']:<21} node {w['node_id'][:8]}  assigned {w['assigned']}  "
                 f"sessions {w['sessions']}  kv {w['kv_bytes'] / 2**20:.1f} MiB  rss {w['rss_bytes'] / 2**20:.0f} MiB"
             )
+    metrics = status.get("metrics") or {}
+    calibration = []
+    for key, nodes in sorted(metrics.items()):
+        if key.startswith("eyas_draft_confidence_nodes_total{") and nodes:
+            accepted = metrics.get(key.replace("_nodes_", "_accepted_"), 0.0)
+            calibration.append(f"{key.split('=')[1].rstrip('}')}: {accepted / nodes:.0%} of {nodes:.0f}")
+    if calibration:
+        lines.append("acceptance by draft confidence (bucket upper edge): " + ", ".join(calibration))
+    if status.get("metrics_address"):
+        lines.append(f"metrics: http://{status['metrics_address']}/metrics")
     return "\n".join(lines)
 
 

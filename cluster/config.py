@@ -72,6 +72,7 @@ class ServiceConfig:
     rpc_timeout_s: float = 120.0
     ready_timeout_s: float = 600.0
     max_rebuilds: int = 8
+    metrics_port: int | None = None
     ray_num_cpus: int | None = None
 
     @classmethod
@@ -90,7 +91,7 @@ class ServiceConfig:
         models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "feature_layers", "allow_manifest_mismatch"})
         pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
         network = _take(sections.get("network") or {}, "network.", {"host", "token"})
-        service = _take(sections.get("service") or {}, "service.", {"max_active", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds"})
+        service = _take(sections.get("service") or {}, "service.", {"max_active", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port"})
         ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
         try:
             tree = TreePolicy.from_dict(sections.get("tree"))
@@ -123,6 +124,8 @@ class ServiceConfig:
             raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
         if type(self.max_rebuilds) is not int or self.max_rebuilds < 0:
             raise ConfigError(f"service.max_rebuilds: must be an integer >= 0, got {self.max_rebuilds!r}")
+        if self.metrics_port is not None and (type(self.metrics_port) is not int or not 0 <= self.metrics_port < 65536):
+            raise ConfigError(f"service.metrics_port: must be null or a port number 0..65535 (0: any free port), got {self.metrics_port!r}")
         for key in ("rpc_timeout_s", "ready_timeout_s"):
             if not isinstance(getattr(self, key), (int, float)) or getattr(self, key) <= 0:
                 raise ConfigError(f"service.{key}: must be a positive number of seconds")

@@ -8,13 +8,17 @@ decoding token for token; sampled output with a fixed seed must equal the in-pro
 import json
 import random
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 from servicekit import TREE, build_models, engine_outputs, hf_greedy, service_config, wait_until
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from eyas import Engine
+from eyas.client.cli import format_status
 from eyas.client.client import Client, EyasError
 from eyas.cluster.service import Service
 
@@ -27,7 +31,8 @@ LENGTHS = [8 + (7 * i) % 33 for i in range(len(PROMPTS))]
 def svc(tmp_path_factory):
     ray.init(num_cpus=6, include_dashboard=False)
     target, drafter = build_models(tmp_path_factory.mktemp("service"))
-    service = Service(service_config(target, drafter, draft=2, targets=2), port=0).start()
+    sections = {"service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "metrics_port": 0}}
+    service = Service(service_config(target, drafter, draft=2, targets=2, **sections), port=0).start()
     client = Client(service.address)
     engine = Engine.from_pretrained(target, drafter, tree=TREE)
     yield {"service": service, "client": client, "engine": engine, "target": target}
@@ -53,6 +58,31 @@ def test_concurrent_greedy_output_equals_engine_and_hugging_face(svc):
     assert [r.token_ids for r in results] == hf_greedy(svc["target"], PROMPTS, LENGTHS)
     workers = [w for pool in svc["client"].status()["pools"] for w in pool["workers"]]
     assert len(workers) == 4 and all(w["calls"] > 0 for w in workers), "least-loaded routing uses every worker"
+
+
+def test_prometheus_metrics_agree_with_the_status_and_the_rounds_served(svc):
+    status = svc["client"].status()
+    host_port = status["metrics_address"]
+    assert host_port.startswith("127.0.0.1:")
+    text = urllib.request.urlopen(f"http://{host_port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in (s for s in family.samples if not s.name.endswith("_created")):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    total = lambda prefix: sum(v for k, v in samples.items() if k.startswith(prefix + "{"))  # noqa: E731
+    assert status["rounds"] > 0 and samples["eyas_accepted_length_count"] == status["rounds"]
+    assert total("eyas_tokens_total") == status["tokens"]
+    assert total("eyas_request_latency_seconds_count") == status["completed"] and samples["eyas_active_requests"] == 0
+    # every accepted draft node has an accepted parent, so the calibration counts add up to the accepted lengths
+    assert total("eyas_draft_confidence_accepted_total") == samples["eyas_accepted_length_sum"]
+    for key, nodes in samples.items():
+        if key.startswith("eyas_draft_confidence_nodes_total{"):
+            assert samples.get(key.replace("_nodes_", "_accepted_"), 0.0) <= nodes
+    assert samples["eyas_tree_nodes_total{stage=verified}"] - samples["eyas_tree_nodes_total{stage=retained}"] == status["rounds"]
+    assert status["metrics"] == samples
+    shown = format_status(status)
+    assert "acceptance by draft confidence (bucket upper edge): " in shown and f"metrics: http://{host_port}/metrics" in shown
 
 
 def test_sampled_output_with_a_fixed_seed_equals_engine(svc):

@@ -177,8 +177,15 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds")
+    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics")
     class ServiceSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +205,8 @@ class StatusReply(_message.Message):
     TREE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     active: int
@@ -211,7 +220,9 @@ class StatusReply(_message.Message):
     tree: _round_pb2.TreePolicy
     uptime_seconds: float
     service_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    metrics_address: str
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("draft", "target")

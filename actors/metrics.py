@@ -1,0 +1,124 @@
+"""Live service metrics in Prometheus form, owned by the coordinator and served on `service.metrics_port`.
+
+One registry per service (so several services in one process do not collide). `observe_round`
+folds in every published round; `snapshot` gives the same numbers as plain data for `eyas status`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+CONFIDENCE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))  # upper edges 0.1 .. 1.0
+SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+BYTES = tuple(2**k for k in range(10, 31, 2))
+BATCH_LABELS = ("1", "2", "3-4", "5-8", "9-16", "17+")
+
+
+def batch_label(active: int) -> str:
+    """Concurrency bucket of a request: how many requests were in flight with it."""
+    for label, upper in zip(BATCH_LABELS, (1, 2, 4, 8, 16)):
+        if active <= upper:
+            return label
+    return BATCH_LABELS[-1]
+
+
+class ServiceMetrics:
+    """The coordinator's counters, histograms and gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.confidence_nodes = Counter(
+            "eyas_draft_confidence_nodes", "Verified nodes whose parent was accepted, by draft confidence bucket", ["bucket"], registry=r
+        )
+        self.confidence_accepted = Counter(
+            "eyas_draft_confidence_accepted", "Of those, the nodes the target accepted, by draft confidence bucket", ["bucket"], registry=r
+        )
+        self.tree_nodes = Counter("eyas_tree_nodes", "Tree nodes by stage: expanded, recorded, retained, verified", ["stage"], registry=r)
+        self.accepted_length = Histogram(
+            "eyas_accepted_length", "Draft tokens accepted per round", buckets=tuple(range(0, 17)), registry=r
+        )
+        self.phase_seconds = Histogram("eyas_phase_seconds", "Seconds per round by phase", ["phase"], buckets=SECONDS, registry=r)
+        self.temporary_kv = Histogram(
+            "eyas_temporary_kv_bytes", "Provisional KV bytes per round, draft and target side", ["side"], buckets=BYTES, registry=r
+        )
+        self.experts = Histogram(
+            "eyas_moe_experts_per_verification", "(layer, expert) pairs routed by one verification", buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r
+        )
+        self.latency = Histogram(
+            "eyas_request_latency_seconds", "End-to-end request latency by concurrency", ["batch"], buckets=SECONDS + (5.0, 10.0, 30.0, 60.0), registry=r
+        )
+        self.tokens = Counter("eyas_tokens", "Committed tokens by concurrency", ["batch"], registry=r)
+        self.throughput = Gauge("eyas_throughput_tokens_per_second", "Committed tokens per second over the last minute by concurrency", ["batch"], registry=r)
+        self.active = Gauge("eyas_active_requests", "Requests in flight", registry=r)
+        self._recent: deque[tuple[float, int, str]] = deque()
+        self._lock = threading.Lock()
+        self._server = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose the registry over HTTP on host:port (port 0 picks a free one); returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def observe_round(self, record, service_seconds: dict[str, float], active: int) -> None:
+        """Fold in one published round (an `eyas.rounds.RoundRecord`) and the service's own phase times."""
+        tree, decision = record.tree, record.decision
+        accepted = set(decision.accepted_rows)
+        probs = tree.draft_probs.tolist()
+        for row, parent in enumerate(tree.parents.tolist()):
+            if row and parent in accepted:
+                bucket = str(next(b for b in CONFIDENCE_BUCKETS if probs[row] <= b + 1e-12))
+                self.confidence_nodes.labels(bucket).inc()
+                if row in accepted:
+                    self.confidence_accepted.labels(bucket).inc()
+        for stage, count in (
+            ("expanded", record.nodes_expanded),
+            ("recorded", record.nodes_recorded),
+            ("retained", tree.num_rows - 1),
+            ("verified", tree.num_rows),
+        ):
+            self.tree_nodes.labels(stage).inc(count)
+        self.accepted_length.observe(decision.num_accepted)
+        for phase, seconds in {**record.seconds, **service_seconds}.items():
+            self.phase_seconds.labels(phase).observe(seconds)
+        self.temporary_kv.labels("draft").observe(record.draft_kv_bytes)
+        self.temporary_kv.labels("target").observe(record.target_kv_bytes)
+        if record.experts:
+            self.experts.observe(len(record.experts))
+        label = batch_label(active)
+        self.tokens.labels(label).inc(len(record.emitted))
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, len(record.emitted), label))
+            while self._recent and self._recent[0][0] < now - 60:
+                self._recent.popleft()
+            window = max(1e-9, min(60.0, now - self._recent[0][0])) if len(self._recent) > 1 else 60.0
+            totals: dict[str, int] = {}
+            for _, n, lab in self._recent:
+                totals[lab] = totals.get(lab, 0) + n
+        for lab, n in totals.items():
+            self.throughput.labels(lab).set(n / window)
+
+    def observe_request(self, seconds: float, active: int) -> None:
+        self.latency.labels(batch_label(active)).observe(seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        """Every sample as {"name{label=value,...}": value}, for `eyas status` and the StatusReply."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
