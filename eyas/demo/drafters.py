@@ -31,13 +31,14 @@ def publish_drafter(checkpoint: Path, destination: Path) -> None:
 
 
 def training_summary(output: Path, minutes: float) -> str:
-    last_eval = {}
+    last_eval, steps = {}, 0
     for line in (output / LOG_FILE).read_text().splitlines():
         record = json.loads(line)
+        steps = max(steps, record.get("step", 0))
         if record.get("eval"):
             last_eval = record["eval"]
     top1 = {k: round(v, 3) for k, v in last_eval.items() if k.startswith("top1/")}
-    return f"{minutes:.1f} minutes; held-out top-1 agreement by rollout step {top1}"
+    return f"{steps} steps, {minutes:.1f} minutes; held-out top-1 agreement by rollout step {top1}"
 
 
 def build_demo(
