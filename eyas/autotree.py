@@ -5,8 +5,11 @@ drafter step time by number of rows. It then drafts a few rounds with a wide exp
 Because a drafter's output at a node depends only on that node's path, every smaller policy's
 tree is a sub-tree of the exploration tree, and the target has verified its nodes: replaying the
 smaller policy's expansion and reranking on the recorded nodes gives its expected accepted length
-exactly (greedy) or in expectation (sampling). Expected tokens per round over predicted round time
-picks the policy. Realised acceptance is watched; when it drifts from the prediction, or after a
+exactly (greedy) or in expectation (sampling), as far as the target verified those nodes. A wide
+tree's budget goes to the highest-confidence nodes, so where the drafter's confidence is flat (a
+high-entropy target decoded greedily) its deep greedy path goes unverified: exploration therefore
+alternates the wide tree with a deep chain, and chains are scored on the chain rounds. Expected
+tokens per round over predicted round time picks the policy. Realised acceptance is watched; when it drifts from the prediction, or after a
 while, the tuner explores again.
 """
 
@@ -24,6 +27,7 @@ from .target import TargetModel
 from .tree import DraftTree, TreePolicy
 
 EXPLORE = TreePolicy(top_k=8, depth=8, budget=64)
+EXPLORE_CHAIN = TreePolicy(top_k=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65)
@@ -144,14 +148,16 @@ class TreeTuner:
     """Chooses the tree policy for the next round from measured costs and recent exploration rounds."""
 
     costs: Costs
-    explore_rounds: int = 8
+    explore_rounds: int = 16  # half wide-tree, half chain rounds: acceptance varies a lot from round to round
     revisit_every: int = 400
-    drift: float = 0.2
+    drift: float = 0.25
     current: TreePolicy = EXPLORE
-    explored: deque = field(default_factory=lambda: deque(maxlen=32))
-    realised: deque = field(default_factory=lambda: deque(maxlen=24))
+    explored: deque = field(default_factory=lambda: deque(maxlen=32))  # (draft tree, accept) of EXPLORE rounds
+    explored_chains: deque = field(default_factory=lambda: deque(maxlen=32))  # the same for EXPLORE_CHAIN rounds
+    realised: deque = field(default_factory=lambda: deque(maxlen=48))
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))
     predicted_tokens: float = 0.0
+    predicted_variance: float = 0.0  # of the predicted mean: per-round spread over the explored rounds / their count
     exploring: int = 0
     since_choice: int = 0
     history: list[dict] = field(default_factory=list)
@@ -160,14 +166,17 @@ class TreeTuner:
         self.exploring = self.explore_rounds
 
     def policy(self) -> TreePolicy:
-        return EXPLORE if self.exploring else self.current
+        """The next round's policy: exploration rounds alternate EXPLORE_CHAIN and EXPLORE, then the chosen one."""
+        if not self.exploring:
+            return self.current
+        return EXPLORE_CHAIN if self.exploring % 2 else EXPLORE
 
     def observe(self, record: RoundRecord) -> None:
         """Fold in one finished round; re-choose after exploring, explore again on drift or after a while."""
         if self.exploring:
             if record.draft_tree is not None and record.row_probs is not None:
                 accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
-                self.explored.append((record.draft_tree, accept))
+                (self.explored_chains if record.policy == EXPLORE_CHAIN else self.explored).append((record.draft_tree, accept))
             self.exploring -= 1
             self._calibrate(record)
             if not self.exploring:
@@ -176,31 +185,47 @@ class TreeTuner:
         self.since_choice += 1
         self.realised.append(record.decision.num_accepted + 1)
         if len(self.realised) == self.realised.maxlen:
-            mean = sum(self.realised) / len(self.realised)
-            if abs(mean - self.predicted_tokens) > self.drift * self.predicted_tokens or self.since_choice >= self.revisit_every:
+            if self.drifted() or self.since_choice >= self.revisit_every:
                 self.exploring = self.explore_rounds
                 self.realised.clear()
+
+    def drifted(self) -> bool:
+        """Realised tokens per round differ from the prediction by more than `drift`, beyond three standard errors."""
+        n = len(self.realised)
+        mean = sum(self.realised) / n
+        variance = sum((x - mean) ** 2 for x in self.realised) / max(1, n - 1) / n
+        gap = abs(mean - self.predicted_tokens)
+        return gap > self.drift * self.predicted_tokens and gap > 3.0 * (variance + self.predicted_variance) ** 0.5
 
     def _calibrate(self, record: RoundRecord) -> None:
         """Learn the time exploration rounds spend outside model forwards: tree bookkeeping per depth, the rest per round."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
-        model = self.costs.model_seconds(EXPLORE, record.decision.num_accepted + 1)
-        self.overheads.append((seconds.get("tree", 0.0) / EXPLORE.depth, max(0.0, observed - model - seconds.get("tree", 0.0))))
+        policy = record.policy or EXPLORE
+        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1)
+        self.overheads.append((seconds.get("tree", 0.0) / policy.depth, max(0.0, observed - model - seconds.get("tree", 0.0))))
         self.costs.overhead_per_depth = sum(d for d, _ in self.overheads) / len(self.overheads)
         self.costs.overhead_per_round = sum(r for _, r in self.overheads) / len(self.overheads)
 
+    def rounds_for(self, policy: TreePolicy) -> deque:
+        """Explored rounds that measure `policy`: the chain rounds for a chain, the wide-tree rounds otherwise."""
+        return (self.explored_chains if policy.top_k == 1 else self.explored) or self.explored or self.explored_chains
+
     def score(self, policy: TreePolicy) -> tuple[float, float]:
-        """(expected tokens per round, expected tokens per second) of `policy` on the explored rounds."""
-        tokens = 1.0 + sum(expected_accepted(t, a, policy) for t, a in self.explored) / len(self.explored)
+        """(expected tokens per round, expected tokens per second) of `policy` on the explored rounds of its kind."""
+        rounds = self.rounds_for(policy)
+        tokens = 1.0 + sum(expected_accepted(t, a, policy) for t, a in rounds) / len(rounds)
         return tokens, tokens / self.costs.round_seconds(policy, tokens)
 
     def choose(self) -> TreePolicy:
         """The grid policy with the highest expected tokens per second."""
-        if not self.explored:
+        if not self.explored and not self.explored_chains:
             return self.current
         scored = [(self.score(p), p) for p in grid()]
         (tokens, rate), best = max(scored, key=lambda item: item[0][1])
-        self.current, self.predicted_tokens, self.since_choice = best, tokens, 0
+        rounds = self.rounds_for(best)
+        per_round = [1.0 + expected_accepted(t, a, best) for t, a in rounds]
+        spread = sum((x - tokens) ** 2 for x in per_round) / max(1, len(per_round) - 1)
+        self.current, self.predicted_tokens, self.predicted_variance, self.since_choice = best, tokens, spread / len(per_round), 0
         self.history.append({"policy": best, "tokens_per_round": tokens, "tokens_per_s": rate})
         return best

@@ -7,7 +7,7 @@ from tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
-from eyas.autotree import EXPLORE, Costs, TreeTuner, expected_accepted, grid
+from eyas.autotree import EXPLORE, EXPLORE_CHAIN, Costs, TreeTuner, expected_accepted, grid
 from eyas.drafters import drafter_config
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
@@ -58,17 +58,38 @@ def test_grid_covers_chains_and_trees_within_the_exploration_tree():
 
 def test_tuner_trades_acceptance_against_this_machines_costs(engine):
     """Cheap verification rows: a wide, deep tree pays. Costly rows: a smaller budget wins. Output stays exact."""
-    cheap = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3)
-    saved = engine.tree, engine._tuner
-    engine.tree, engine._tuner = "auto", cheap
+    cheap = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
+    second_choice = OracleDrafter(engine.drafter.config, engine.drafter.reference, rank=lambda p: 1)
+    saved = engine.tree, engine._tuner, engine.drafter
+    engine.tree, engine._tuner, engine.drafter = "auto", cheap, second_choice
     try:
         gen = engine.generate(PROMPT, max_new_tokens=30)
     finally:
-        engine.tree, engine._tuner = saved
-    assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 30]
+        engine.tree, engine._tuner, engine.drafter = saved
+    assert gen.token_ids == second_choice.reference[len(PROMPT) : len(PROMPT) + 30]
     assert {r["policy"] for r in cheap.history} and gen.stats.rounds > cheap.explore_rounds
     wide = cheap.history[0]["policy"]
-    assert wide.top_k > 1  # the true token is often not the drafter's first choice
+    assert wide.top_k > 1  # the true token is never the drafter's first choice, so a chain accepts nothing
     steep = TreeTuner(Costs([1, 65], [0.010, 0.500], [1, 16], [0.001, 0.001]))
     steep.explored = cheap.explored
     assert steep.choose().budget < wide.budget
+
+
+def test_exploration_alternates_a_deep_chain_and_scores_chains_on_it(engine):
+    """A wide tree may leave the greedy path unverified; the chain rounds measure it exactly."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
+    rounds = []
+    saved = engine.tree, engine._tuner
+    engine.tree, engine._tuner = "auto", tuner
+    try:
+        gen = engine.generate(PROMPT, max_new_tokens=30, on_round=rounds.append)
+    finally:
+        engine.tree, engine._tuner = saved
+    assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 30]
+    assert [r.policy for r in rounds[:4]] == [EXPLORE, EXPLORE_CHAIN, EXPLORE, EXPLORE_CHAIN]
+    assert len(tuner.explored) == len(tuner.explored_chains) == 2
+    chains = [r for r in rounds[:4] if r.policy == EXPLORE_CHAIN]
+    for depth in (1, 3, EXPLORE.depth):
+        chain = TreePolicy(1, depth, depth)
+        expected = sum(min(r.decision.num_accepted, depth) for r in chains) / len(chains)
+        assert tuner.score(chain)[0] == 1.0 + expected
