@@ -21,7 +21,7 @@ def _quiet_loading() -> None:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
-    parser.add_argument("--top-k", type=int, help="tree expansion width (default 8)")
+    parser.add_argument("--top-k", type=int, help="tree expansion width (default 8; with none of the three knobs, --local tunes the tree itself: tree auto)")
     parser.add_argument("--depth", type=int, help="tree depth (default 5)")
     parser.add_argument("--budget", type=int, help="verify budget, candidate nodes besides the root (default 32)")
     parser.add_argument(
@@ -133,7 +133,7 @@ def generate_local(args: argparse.Namespace) -> int:
     _quiet_loading()
     target, drafter = resolve_models(args)
     engine = Engine.from_pretrained(
-        target, drafter, tree=tree_args(args), allow_manifest_mismatch=args.allow_manifest_mismatch
+        target, drafter, tree=tree_args(args) or "auto", allow_manifest_mismatch=args.allow_manifest_mismatch
     )
     tokenizer = engine.target.tokenizer
 

@@ -78,10 +78,13 @@ def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
 
 
 class Engine:
-    """EAGLE speculative decoding of one target with one drafter, in one process."""
+    """EAGLE speculative decoding of one target with one drafter, in one process.
+
+    `tree` is "auto" (hardware-aware, the default) or a fixed policy (a TreePolicy or a mapping; None: TreePolicy()).
+    """
 
     def __init__(
-        self, target: TargetModel, drafter: Drafter, manifest: Manifest, tree: TreePolicy | dict | str | None = None
+        self, target: TargetModel, drafter: Drafter, manifest: Manifest, tree: TreePolicy | dict | str | None = "auto"
     ):
         self.target = target
         self.drafter = drafter
@@ -102,7 +105,7 @@ class Engine:
         cls,
         target: str | Path,
         drafter: str | Path,
-        tree: TreePolicy | dict | str | None = None,
+        tree: TreePolicy | dict | str | None = "auto",
         feature_layers: tuple[int, ...] | None = None,
         allow_manifest_mismatch: bool = False,
         dtype: torch.dtype = torch.float32,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.drafters import drafter_config
+from eyas.tree import TreePolicy
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral"]
 PROMPTS = [
@@ -52,7 +53,7 @@ def test_random_drafter_greedy_equals_hugging_face_generate(family, kind):
 def oracle_engine(target_dir, reference, rank, tree):
     engine = Engine.from_pretrained(target_dir, make_drafter(target_dir.parent / "oracle-base", target_dir))
     engine.drafter = OracleDrafter(drafter_config("eagle1", engine.target.config), reference, rank)
-    engine.tree = engine.tree.from_dict(tree)
+    engine.tree = TreePolicy.from_dict(tree)
     return engine
 
 

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.drafters import drafter_config
+from eyas.tree import TreePolicy
 
 PROMPT = [5, 17, 33, 8, 9, 41, 77, 12]
 
@@ -22,7 +23,7 @@ def setup(tmp_path_factory):
     reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)[0, 8:].tolist()
     engine = Engine.from_pretrained(target, make_drafter(root / "d", target))
     engine.drafter = OracleDrafter(drafter_config("eagle1", engine.target.config), PROMPT + reference)
-    engine.tree = engine.tree.from_dict({"top_k": 2, "depth": 6, "budget": 12})
+    engine.tree = TreePolicy.from_dict({"top_k": 2, "depth": 6, "budget": 12})
     return engine, reference
 
 
