@@ -223,6 +223,29 @@ def mean_accept_length(system: str, tally: Tally) -> float | None:
     return 1.0 if system == "vllm" else None
 
 
+ROUND_PHASES = ("draft", "tree", "verify", "publish")
+
+
+def efficiency(entry: dict, plain_step: float) -> dict:
+    """How close a speculative system comes to its ideal speedup (the acceptance length at one plain step per round).
+
+    round_seconds is the time inside rounds (drafting, tree, verification, publish), so the step-to-round
+    ratio charges the rounds' own cost, and efficiency_vs_ideal = speedup / (acceptance x ratio) is the
+    share of wall time spent in rounds (the rest: prefill, work between rounds); 1.0 would mean none outside.
+    """
+    round_time = sum(entry["phase_seconds_per_round"].get(phase, 0.0) for phase in ROUND_PHASES)
+    if not round_time:
+        return {}
+    ratio = plain_step / round_time
+    return {
+        "plain_step_seconds": plain_step,
+        "round_seconds": round_time,
+        "step_to_round_ratio": ratio,
+        "efficiency_vs_acceptance": entry["speedup_vs_hf"] / entry["mean_accept_length"],
+        "efficiency_vs_ideal": entry["speedup_vs_hf"] / (entry["mean_accept_length"] * ratio),
+    }
+
+
 def summarise(system: str, drafter: str, temperature: float, tally: Tally, baseline: Tally | None) -> dict:
     """One JSON entry: tokens/s, speedup over HF greedy, acceptance, forwards per token, phases, efficiency."""
     rate = tally.tokens / tally.seconds if tally.seconds else 0.0
@@ -243,19 +266,7 @@ def summarise(system: str, drafter: str, temperature: float, tally: Tally, basel
         **tally.extra,
     }
     if system.startswith("eyas") and base_rate and tally.decode_forwards:
-        # Ideal speedup = acceptance length, reached if a round cost one plain target step. The step-to-round
-        # ratio says how far rounds are from that; efficiency_vs_ideal = speedup / (acceptance x that ratio) is
-        # what remains (prefill, time between rounds): 1.0 means all time is in rounds.
-        plain_step = 1 / base_rate
-        round_time = tally.seconds / tally.decode_forwards
-        ratio = plain_step / round_time
-        entry.update(
-            plain_step_seconds=plain_step,
-            round_seconds=round_time,
-            step_to_round_ratio=ratio,
-            efficiency_vs_acceptance=entry["speedup_vs_hf"] / entry["mean_accept_length"],
-            efficiency_vs_ideal=entry["speedup_vs_hf"] / (entry["mean_accept_length"] * ratio),
-        )
+        entry.update(efficiency(entry, 1 / base_rate))
     return entry
 
 
@@ -312,9 +323,8 @@ def run_bench(
             runners[("hf-assisted", "draft-lm", t)] = assisted.run
     if "eyas" in systems:
         for name, path in suite.drafters.items():
-            runner = EyasRunner(suite.target, path)
-            for t in temperatures:
-                runners[("eyas", name, t)] = runner.run
+            for t in temperatures:  # one engine per temperature: tree auto tunes to that temperature's acceptance
+                runners[("eyas", name, t)] = EyasRunner(suite.target, path).run
     if "eyas-service" in systems:
         best = "eagle3" if "eagle3" in suite.drafters else next(iter(suite.drafters))
         service = ServiceRunner(suite.target, suite.drafters[best])

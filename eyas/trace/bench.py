@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine
+from ..tree import TreePolicy
 from .record import RequestRecorder
 from .store import TraceWriter
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target = args.target or demo_model("target")
     drafter = args.drafter or demo_model(DEFAULT_DRAFTER)
-    engine = Engine.from_pretrained(target, drafter)
+    engine = Engine.from_pretrained(target, drafter, tree=TreePolicy())  # one fixed tree: traced and untraced rounds alike
     result = trace_overhead(engine, PROMPTS, args.max_new_tokens, args.repeats)
     result.update(
         target=str(target),
