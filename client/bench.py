@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -116,18 +117,25 @@ class HFRunner:
 
 
 class EyasRunner:
-    """The in-process engine with one drafter."""
+    """The in-process engine with one drafter; `tree` fixes the policy of every call (None: the engine's own)."""
 
-    def __init__(self, target: Path, drafter: Path, tree: dict | str = "auto"):
+    def __init__(self, engine, tree: dict | None = None):
+        self.engine, self.tree = engine, tree
+
+    @classmethod
+    def load(cls, target: Path, drafter: Path) -> "EyasRunner":
+        """A fresh engine with `tree: auto`."""
         from eyas import Engine
 
-        self.engine = Engine.from_pretrained(target, drafter, tree=tree)
+        return cls(Engine.from_pretrained(target, drafter, tree="auto"))
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Tally:
         tally = Tally()
         for i, prompt in enumerate(prompts):
             start = time.perf_counter()
-            gen = self.engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i, stop_at_eos=False)
+            gen = self.engine.generate(
+                prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i, tree=self.tree, stop_at_eos=False
+            )
             tally.seconds += time.perf_counter() - start
             stats = gen.stats
             tally.tokens += stats.tokens
@@ -137,7 +145,7 @@ class EyasRunner:
             tally.add_histogram(stats.accepted_length_histogram)
             for phase, seconds in stats.seconds.items():
                 tally.phases[phase] = tally.phases.get(phase, 0.0) + seconds
-        if self.engine.tree == "auto":
+        if self.tree is None and self.engine.tree == "auto":
             tally.extra["tree_policy"] = asdict(self.engine.tuner.current)
         return tally
 
@@ -283,7 +291,7 @@ def run_interleaved(
             continue
         rotation = keys[b % len(keys) :] + keys[: b % len(keys)]
         for key in rotation:
-            print(f"eyas bench: block {b + 1}/{blocks}: {key[0]} {key[1]} t={key[2]}", flush=True)
+            print(f"eyas bench: block {b + 1}/{blocks}: {key[0]} {key[1]} t={key[2]}", file=sys.stderr, flush=True)
             tallies[key].merge(runners[key](block, max_new_tokens, key[2], seed))
     return tallies
 
@@ -324,7 +332,7 @@ def run_bench(
     if "eyas" in systems:
         for name, path in suite.drafters.items():
             for t in temperatures:  # one engine per temperature: tree auto tunes to that temperature's acceptance
-                runners[("eyas", name, t)] = EyasRunner(suite.target, path).run
+                runners[("eyas", name, t)] = EyasRunner.load(suite.target, path).run
     if "eyas-service" in systems:
         best = "eagle3" if "eagle3" in suite.drafters else next(iter(suite.drafters))
         service = ServiceRunner(suite.target, suite.drafters[best])

@@ -1,8 +1,8 @@
 """`python -m eyas.client.tree_bench`: `tree: auto` against a grid of fixed trees, on the same prompts, in one run.
 
-One engine decodes every prompt block with each fixed policy and with `auto` in turn (the order
-rotating per block, so machine drift lands on all alike). The tuner's one-time cost measurement
-happens in the warm-up; its exploration rounds count, as they do in service. JSON on stdout.
+One engine decodes every prompt block with each fixed policy and with `auto` in turn (`eyas bench`'s
+interleaving, so machine drift lands on all alike). The tuner's one-time cost measurement happens in
+the warm-up; its exploration rounds count, as they do in service. JSON on stdout.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from dataclasses import asdict
 
 import torch
 
 from eyas.tree import TreePolicy
+
+from .bench import EyasRunner, demo_suite, run_interleaved
 
 GRID = (
     TreePolicy(1, 3, 3), TreePolicy(1, 5, 5), TreePolicy(1, 7, 7),
@@ -26,48 +27,31 @@ GRID = (
 
 def run(drafter: str, n_prompts: int, blocks: int, max_new_tokens: int, temperature: float) -> dict:
     """Tokens/s and acceptance of every grid policy and of `auto`; `auto_vs_best` is auto's tokens/s over the best policy's."""
-    from eyas import Engine
-    from eyas.assets import demo_model
-    from eyas.demo.corpus import heldout_prompts
-
-    engine = Engine.from_pretrained(demo_model("target"), demo_model(drafter), tree="auto")
-    prompts = [engine.target.tokenizer.encode(p.text) for p in heldout_prompts(engine.target.tokenizer, n_prompts)]
-    settings: dict[str, TreePolicy | None] = {"auto": None, **{f"{p.top_k}/{p.depth}/{p.budget}": p for p in GRID}}
-    totals = {name: {"tokens": 0, "rounds": 0, "seconds": 0.0} for name in settings}
-
-    def decode(name: str, block: list[list[int]], first_seed: int) -> None:
-        tree = None if settings[name] is None else asdict(settings[name])
-        for i, prompt in enumerate(block):
-            start = time.perf_counter()
-            stats = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=first_seed + i, tree=tree, stop_at_eos=False).stats
-            totals[name]["seconds"] += time.perf_counter() - start
-            totals[name]["tokens"] += stats.tokens
-            totals[name]["rounds"] += stats.rounds
-
-    for name in settings:  # warm-up, untimed: the tuner measures this machine's costs here
-        tree = None if settings[name] is None else asdict(settings[name])
-        engine.generate(prompts[0], max_new_tokens=8, tree=tree, stop_at_eos=False)
-    names, size = list(settings), -(-len(prompts) // blocks)
-    for b in range(blocks):
-        for name in names[b % len(names) :] + names[: b % len(names)]:
-            decode(name, prompts[b * size : (b + 1) * size], b * size)
+    suite = demo_suite(n_prompts)
+    auto = EyasRunner.load(suite.target, suite.drafters[drafter])
+    runners = {("eyas", "auto", temperature): auto.run}
+    for p in GRID:
+        runners[("eyas", f"{p.top_k}/{p.depth}/{p.budget}", temperature)] = EyasRunner(auto.engine, asdict(p)).run
+    for runner in runners.values():  # warm-up, untimed: the tuner measures this machine's costs here
+        runner(suite.prompts[:1], 8, temperature, 0)
+    tallies = run_interleaved(runners, suite.prompts, blocks, max_new_tokens, seed=0)
     results = {
         name: {
-            "tokens_per_s": t["tokens"] / t["seconds"],
-            "mean_accept_length": t["tokens"] / t["rounds"],
-            "tokens": t["tokens"],
-            "seconds": t["seconds"],
+            "tokens_per_s": t.tokens / t.seconds,
+            "mean_accept_length": t.tokens / t.decode_forwards,
+            "tokens": t.tokens,
+            "seconds": t.seconds,
         }
-        for name, t in totals.items()
+        for (_, name, _), t in tallies.items()
     }
-    best = max((n for n in names if n != "auto"), key=lambda n: results[n]["tokens_per_s"])
+    best = max((n for n in results if n != "auto"), key=lambda n: results[n]["tokens_per_s"])
     return {
         "drafter": drafter,
         "temperature": temperature,
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
-        "config": {"prompts": len(prompts), "blocks": blocks, "max_new_tokens": max_new_tokens},
+        "config": {"prompts": len(suite.prompts), "blocks": blocks, "max_new_tokens": max_new_tokens},
         "settings": results,
-        "auto_policy_at_end": asdict(engine.tuner.current),
+        "auto_policy_at_end": asdict(auto.engine.tuner.current),
         "best_fixed": best,
         "auto_vs_best": results["auto"]["tokens_per_s"] / results[best]["tokens_per_s"],
     }
