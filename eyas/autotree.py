@@ -211,10 +211,14 @@ class TreeTuner:
         """Explored rounds that measure `policy`: the chain rounds for a chain, the wide-tree rounds otherwise."""
         return (self.explored_chains if policy.top_k == 1 else self.explored) or self.explored or self.explored_chains
 
+    def per_round(self, policy: TreePolicy) -> list[float]:
+        """Expected tokens of each explored round of its kind, had `policy` drafted it."""
+        return [1.0 + expected_accepted(t, a, policy) for t, a in self.rounds_for(policy)]
+
     def score(self, policy: TreePolicy) -> tuple[float, float]:
         """(expected tokens per round, expected tokens per second) of `policy` on the explored rounds of its kind."""
-        rounds = self.rounds_for(policy)
-        tokens = 1.0 + sum(expected_accepted(t, a, policy) for t, a in rounds) / len(rounds)
+        values = self.per_round(policy)
+        tokens = sum(values) / len(values)
         return tokens, tokens / self.costs.round_seconds(policy, tokens)
 
     def choose(self) -> TreePolicy:
@@ -223,8 +227,7 @@ class TreeTuner:
             return self.current
         scored = [(self.score(p), p) for p in grid()]
         (tokens, rate), best = max(scored, key=lambda item: item[0][1])
-        rounds = self.rounds_for(best)
-        per_round = [1.0 + expected_accepted(t, a, best) for t, a in rounds]
+        per_round = self.per_round(best)
         spread = sum((x - tokens) ** 2 for x in per_round) / max(1, len(per_round) - 1)
         self.current, self.predicted_tokens, self.predicted_variance, self.since_choice = best, tokens, spread / len(per_round), 0
         self.history.append({"policy": best, "tokens_per_round": tokens, "tokens_per_s": rate})
