@@ -7,103 +7,71 @@ and target worker until one is lost or retiring; then its caches are rebuilt els
 committed tokens with `start`. Tokens reach the client only after `RequestState.commit`, and a
 failed round commits nothing, so no committed token is lost or repeated across a rebuild.
 
-As a Ray actor, the coordinator brings up both pools and serves the client-facing front door.
+As a Ray actor, the coordinator brings up both pools (built by the factory the cluster floor
+hands it) and serves the client-facing front door.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import secrets
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import ray
 from transformers import AutoTokenizer
 
-from eyas.cluster.config import ServiceConfig
-from eyas.cluster.pools import Member, Pool, PoolError
-from eyas.engine import tokenize_prompt
 from eyas.errors import RequestError
 from eyas.manifest import Manifest
-from eyas.request import RequestState, StopRules, make_sampling
+from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
 from eyas.rounds import run_round, start
-from eyas.stats import GenerationStats
 from eyas.trace.messages import verify_exchange
 from eyas.trace.record import RequestRecorder
 from eyas.trace.store import TraceWriter
 from eyas.tree import TreeError, TreePolicy
 
+from .config import ServiceConfig
 from .draft_worker import DraftWorker
 from .errors import ServiceError
+from .frontdoor import FrontDoor
+from .job import DEFAULT_MAX_NEW_TOKENS, SERVICE_PHASES, Chunk, Job
+from .limits import check_id, check_prompt_text, check_stop
 from .metrics import ServiceMetrics
-from .proxy import CallTiming, RemoteDraft, RemoteTarget, SessionLost, WorkerLost
-from .server import advertised_host
+from .proxy import RemoteDraft, RemoteTarget, SessionLost, WorkerLost
+from .routing import Member, PoolError, PoolFactory, WorkerPool
+from .server import advertised_address
 from .target_worker import TargetWorker
 
-SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "coordinator", "rebuild")
-DEFAULT_MAX_NEW_TOKENS = 64
+log = logging.getLogger("eyas.service")
 
 
-@dataclass
-class Chunk:
-    """Tokens one round committed (or the final record: finish reason and statistics)."""
+class EventLog(logging.Handler):
+    """The service's progress lines (workers waiting for resources, loading, ready, lost), numbered, so whoever
+    brought the service up can print them as they happen (`eyas serve`) instead of Ray's log forwarding."""
 
-    request_id: str
-    version: int
-    token_ids: list[int]
-    text: str = ""
-    finish_reason: str = ""
-    stats: dict | None = None
-    trace: bytes = b""
+    def __init__(self, keep: int = 1000):
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self._lines: deque[tuple[int, str]] = deque(maxlen=keep)
+        self._count = 0
 
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.lock:
+            self._lines.append((self._count, self.format(record)))
+            self._count += 1
 
-@dataclass
-class Job:
-    """One request in flight: its committed state, where it is routed, and what it has cost."""
-
-    state: RequestState
-    policy: TreePolicy
-    emit: Callable[[Chunk | Exception], None]
-    draft: Member | None = None
-    target: Member | None = None
-    draft_session: RemoteDraft | None = None
-    target_session: RemoteTarget | None = None
-    timing: CallTiming = field(default_factory=CallTiming)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    service: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SERVICE_PHASES, 0.0))
-    rebuilds: int = 0
-    started: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    text_sent: str = ""
-    recorder: RequestRecorder | None = None
-    trace_out: list[bytes] | None = None  # trace frames waiting for the client's next chunk, when it asked
-
-    def take_trace(self) -> bytes:
-        frames = b"".join(self.trace_out or ())
-        if self.trace_out:
-            self.trace_out.clear()
-        return frames
-
-    @property
-    def request_id(self) -> str:
-        return self.state.request_id
-
-    def stats_dict(self) -> dict:
-        stats = self.stats
-        return {
-            "rounds": stats.rounds,
-            "target_forwards": stats.target_forwards,
-            "tokens": stats.tokens,
-            "accepted_length_histogram": list(stats.accepted_length_histogram),
-            "mean_accept_length": stats.mean_accept_length,
-            "seconds": dict(stats.seconds),
-            "service_seconds": dict(self.service),
-            "rebuilds": self.rebuilds,
-        }
+    def since(self, seen: int) -> tuple[int, list[str]]:
+        """The lines after the first `seen`, and the new count."""
+        with self.lock:
+            return self._count, [line for number, line in self._lines if number >= seen]
 
 
 class Coordinator:
@@ -112,11 +80,12 @@ class Coordinator:
     With `trace`, every request's rounds are appended to that trace file (`eyas serve --trace`).
     """
 
-    def __init__(self, config: ServiceConfig, trace: str | None = None):
+    def __init__(self, config: ServiceConfig, make_pool: PoolFactory, trace: str | None = None):
         self.config = config
+        self._make_pool = make_pool
         self.trace = TraceWriter(trace) if trace else None
         self.manifest: dict | None = None
-        self.pools: dict[str, Pool] = {}
+        self.pools: dict[str, WorkerPool] = {}
         self.jobs: dict[str, Job] = {}
         self.manifest_id = ""
         self.tokenizer = None
@@ -124,7 +93,9 @@ class Coordinator:
         self.feature_width = 0
         self.max_positions = 0
         self.eos: frozenset[int] = frozenset()
-        self.totals = {"completed": 0, "failed": 0, "tokens": 0, "rounds": 0, "rebuilds": 0}
+        self.totals = {"completed": 0, "failed": 0, "cancelled": 0, "tokens": 0, "rounds": 0, "rebuilds": 0}
+        self.stopping = False  # set by `stop`: requests still running then fail as UNAVAILABLE, not "cancelled"
+        self._worker_key = secrets.token_urlsafe(32)  # the credential every worker call carries; never leaves Ray
         self.service_seconds = dict.fromkeys(SERVICE_PHASES, 0.0)
         self.started_at = time.monotonic()
         self.metrics = ServiceMetrics()
@@ -132,24 +103,42 @@ class Coordinator:
         self.running = 0  # requests being served now (the concurrency label of metrics)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
-        self._frontdoor = None
+        self._frontdoor: FrontDoor | None = None
+        self._stopped: asyncio.Event | None = None
+        self.ray_address = ""
+        self.log = EventLog()
+        service_log = logging.getLogger("eyas")  # eyas.service here, eyas.cluster in the pools
+        service_log.setLevel(logging.INFO)
+        service_log.addHandler(self.log)
+        service_log.propagate = False
 
     # -- lifecycle (Ray actor methods) -----------------------------------------------------------
     async def start(self, port: int = 50051) -> str:
-        """Bring up both pools, then serve the front door; returns its address once every pool is ready."""
-        from .frontdoor import FrontDoor
-
-        await asyncio.to_thread(self.bring_up)
-        if self.config.metrics_port is not None:
-            bound = self.metrics.serve(self.config.metrics_port, self.config.host)
-            self.metrics_address = f"{advertised_host(self.config.host)}:{bound}"
+        """Take the front door's port (a busy one fails here, before any worker starts), bring up both pools,
+        then serve; returns the front door's address once every pool is ready."""
+        self._stopped = asyncio.Event()
+        self.ray_address = ray.get_runtime_context().gcs_address
         self._frontdoor = FrontDoor(self)
-        bound = await self._frontdoor.start(self.config.host, port, self.config.shared_token)
-        return f"{advertised_host(self.config.host)}:{bound}"
+        bound = self._frontdoor.bind(self.config.host, port, self.config.shared_token, self.config.max_request_bytes)
+        try:
+            await asyncio.to_thread(self.bring_up)
+        except BaseException:
+            await self._frontdoor.stop()
+            raise
+        if self.config.metrics_port is not None:
+            metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
+            self.metrics_address = advertised_address(self.config.host, metrics_port)
+        await self._frontdoor.start()
+        return advertised_address(self.config.host, bound)
+
+    def events(self, seen: int) -> tuple[int, list[str]]:
+        """Progress lines after the first `seen` (see `EventLog`), and the new count."""
+        return self.log.since(seen)
 
     async def stop(self) -> None:
         """Cancel every request, stop the front door, remove every worker (a request waiting on one fails), then join."""
         with self._lock:
+            self.stopping = True
             jobs = list(self.jobs.values())
         for job in jobs:
             job.cancelled.set()
@@ -160,18 +149,27 @@ class Coordinator:
         self.metrics.close()
         if self.trace is not None:
             self.trace.close()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        """Returns once `stop` has run; a caller waiting on it learns (from Ray) when this actor dies instead."""
+        await self._stopped.wait()
 
     def bring_up(self) -> None:
         """Start both pools in parallel and check that every worker serves the same manifest."""
         target_dir, _ = self.config.models()
+        log.info(
+            "starting %d draft and %d target worker(s)", self.config.draft_pool.replicas, self.config.target_pool.replicas
+        )
         if Path(target_dir, "tokenizer_config.json").exists():
             self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         for name, actor_class, pool_config in (
             ("draft", DraftWorker, self.config.draft_pool),
             ("target", TargetWorker, self.config.target_pool),
         ):
-            spec = self.config.worker_spec(pool_config)
-            self.pools[name] = Pool(name, actor_class, pool_config, spec, self.config.ready_timeout_s, self.config.rpc_timeout_s)
+            spec = dataclasses.replace(self.config.worker_spec(pool_config), token=self._worker_key)
+            self.pools[name] = self._make_pool(name, actor_class, pool_config, spec, self.config.ready_timeout_s, self.config.rpc_timeout_s)
         with ThreadPoolExecutor(2) as starter:
             futures = [starter.submit(pool.start) for pool in self.pools.values()]
             wait(futures)
@@ -210,8 +208,14 @@ class Coordinator:
     ) -> Job:
         """Validate a request, enter it in the request table and queue it; `emit` receives its chunks
         (with this request's trace frames when `trace`)."""
+        check_id(request_id, "request_id")
+        check_stop(list(stop))
         sampling_params = make_sampling(**(sampling or {}))
         rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
+        if isinstance(prompt, str):
+            check_prompt_text(prompt, self.max_positions)
+        elif self.max_positions and len(prompt) > self.max_positions:
+            raise RequestError("prompt", f"{len(prompt)} tokens exceed the target's {self.max_positions} positions")
         ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         if self.max_positions and len(ids) + max_new_tokens > self.max_positions:
             raise RequestError(
@@ -245,7 +249,7 @@ class Coordinator:
         return sink
 
     def _check_tree(self, tree: TreePolicy) -> TreePolicy:
-        for knob in ("top_k", "depth", "budget"):
+        for knob in ("width", "depth", "budget"):
             limit = getattr(self.config.tree, knob)
             if getattr(tree, knob) > limit:
                 raise TreeError(f"tree.{knob}", f"{getattr(tree, knob)} exceeds the service's {limit}")
@@ -270,6 +274,8 @@ class Coordinator:
         try:
             while not job.state.done:
                 if job.cancelled.is_set():
+                    if self.stopping:
+                        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "service", "the service stopped before the request finished")
                     job.state.finish_reason = "cancelled"
                     break
                 if job.draft_session is None:
@@ -364,9 +370,9 @@ class Coordinator:
 
     def _account(self, job: Job, wall: float) -> None:
         t = job.timing
-        for phase in ("compute", "rpc", "serialize", "queue"):
+        for phase in ("compute", "rpc", "serialize", "queue", "batch"):
             job.service[phase] += getattr(t, phase)
-        job.service["coordinator"] += wall - (t.compute + t.rpc + t.serialize + t.queue)
+        job.service["coordinator"] += wall - (t.compute + t.rpc + t.serialize + t.queue + t.batch)
 
     def _close(self, job: Job) -> None:
         """Free the request's caches on its workers and drop it from the request table."""
@@ -375,8 +381,8 @@ class Coordinator:
             if session is not None:
                 try:
                     session.release()
-                except Exception:
-                    pass
+                except Exception:  # the request is over either way; a worker that lost the session frees it when it goes
+                    log.warning("%s: could not free its %s session", job.request_id, side, exc_info=True)
             if member is not None:
                 self.pools[side].release(member)
         with self._lock:
@@ -384,7 +390,8 @@ class Coordinator:
 
     def _conclude(self, job: Job, error: Exception | None) -> None:
         with self._lock:
-            self.totals["failed" if error else "completed"] += 1
+            outcome = "failed" if error else "cancelled" if job.state.finish_reason == "cancelled" else "completed"
+            self.totals[outcome] += 1
             self.totals["tokens"] += len(job.state.output)
             self.totals["rounds"] += job.stats.rounds
             self.totals["rebuilds"] += job.rebuilds
@@ -414,6 +421,7 @@ class Coordinator:
     def status(self) -> dict:
         """Pools with each worker's health, request counts and acceptance so far."""
         pools = []
+        ranks = {"draft": self.config.draft_pool.tensor_parallel, "target": self.config.target_pool.tensor_parallel}
         for name, pool in self.pools.items():
             workers = []
             for member in pool.members():
@@ -425,6 +433,8 @@ class Coordinator:
                     "pid": member.info.pid,
                     "assigned": member.load,
                 }
+                if member.ranks:  # a target group: each rank's device and shard (session KV bytes are per rank)
+                    entry["ranks"] = [dataclasses.asdict(rank) for rank in member.ranks]
                 try:
                     health = member.client.health()
                     entry.update(
@@ -434,11 +444,11 @@ class Coordinator:
                         calls=health.calls,
                         busy_seconds=health.busy_seconds,
                     )
-                except grpc.RpcError:
+                except (grpc.RpcError, WorkerLost):
                     pool.lost(member)
                     entry["state"] = "lost"
                 workers.append(entry)
-            pools.append({"name": name, "size": pool.size, "workers": workers})
+            pools.append({"name": name, "size": pool.size, "tensor_parallel": ranks[name], "workers": workers})
         with self._lock:
             active = sum(job.started for job in self.jobs.values())
             return {
@@ -448,9 +458,10 @@ class Coordinator:
                 "queued": len(self.jobs) - active,
                 **self.totals,
                 "mean_accept_length": self.totals["tokens"] / self.totals["rounds"] if self.totals["rounds"] else 0.0,
-                "tree": {"top_k": self.config.tree.top_k, "depth": self.config.tree.depth, "budget": self.config.tree.budget},
+                "tree": {"width": self.config.tree.width, "depth": self.config.tree.depth, "budget": self.config.tree.budget},
                 "uptime_seconds": time.monotonic() - self.started_at,
                 "service_seconds": dict(self.service_seconds),
                 "metrics_address": self.metrics_address,
+                "ray_address": self.ray_address,
                 "metrics": self.metrics.snapshot(),
             }

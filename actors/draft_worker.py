@@ -18,13 +18,14 @@ from eyas.drafters import load_drafter
 from eyas.errors import VersionError
 from eyas.manifest import fingerprint_target
 from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
-from eyas.proposer import DraftSession
+from eyas.runtime.device import resolve_dtype, stored_dtype
+from eyas.proposer import DraftModel, DraftSession
 from eyas.tree import TreeError
 from eyas.v1 import round_pb2 as pb
 
 from .errors import ServiceError
 from .server import Clock
-from .worker import DTYPES, Worker
+from .worker import Worker
 
 
 class DraftWorker(Worker):
@@ -38,22 +39,27 @@ class DraftWorker(Worker):
         plan = plan_drafter(spec.drafter, target_num_layers(spec.target), spec.feature_layers)
         config = json.loads(Path(spec.target, "config.json").read_text())
         self.manifest = plan.manifest(fingerprint_target(spec.target, config), spec.allow_manifest_mismatch)
+        dtype = resolve_dtype(spec.dtype, self.device, stored_dtype(spec.target))
         embed, lm_head = load_embedding_and_head(spec.target)
+        embed, lm_head = embed.to(self.device, dtype), lm_head.to(self.device, dtype)  # bound by reference: cast here
         drafter, _ = load_drafter(spec.drafter, embed, lm_head)
-        self.drafter = drafter.to(DTYPES[spec.dtype])
+        self.drafter = drafter.to(device=self.device, dtype=dtype)
         self.vocab_size = int(embed.weight.shape[0])
         self.feature_width = self.manifest.feature.width(int(embed.weight.shape[1]))
         self.max_positions = int((config.get("text_config") or config).get("max_position_embeddings", 0))
+        self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, self.rendezvous, spec.draft_ahead)
 
     def endpoints(self) -> dict:
         return {"Start": (pb.DraftStart, self.start_session), "Draft": (pb.DraftRequest, self.draft), "Reseed": (pb.Reseed, self.reseed)}
 
     def session_kv_bytes(self, session: DraftSession) -> int:
         pending = session.pending_state
-        return session.kv.nbytes() + (pending.numel() * pending.element_size() if pending is not None else 0)
+        return session.kv_bytes() + (pending.numel() * pending.element_size() if pending is not None else 0)
 
     def _features(self, msg: pb.Reseed | pb.DraftStart, field: str) -> tuple[torch.Tensor, list[int]]:
-        tokens = self.check_tokens(msg.tokens, f"{field}tokens")
+        # a reseed carries the accepted tokens and the frontier token: at most the tree depth plus one
+        limit = self.spec.tree_limit.depth + 1 if isinstance(msg, pb.Reseed) else None
+        tokens = self.check_tokens(msg.tokens, f"{field}tokens", limit)
         if isinstance(msg, pb.Reseed) and not tokens:
             raise wire.WireError(f"{field}tokens", "a reseed carries at least the frontier token")
         return wire.features_from_proto(msg.features, f"{field}features", len(tokens), self.feature_width), tokens
@@ -63,8 +69,12 @@ class DraftWorker(Worker):
         self.new_session(msg.ref)
         features, tokens = self._features(msg, "")
         clock.lap("decode")
-        session = DraftSession(self.drafter)
-        session.start(msg.ref.version, features, tokens)
+        session = DraftSession(self.model)
+        try:
+            session.start(msg.ref.version, features, tokens)
+        except BaseException:
+            session.close()
+            raise
         self.sessions[msg.ref.request_id] = session
         clock.lap("compute")
         return pb.Ack(ref=msg.ref)

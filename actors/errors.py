@@ -2,7 +2,8 @@
 
 Engine errors map by kind: malformed input (TreeError, RequestError, WireError, ValueError) is
 INVALID_ARGUMENT, a stale or future version (VersionError) or a manifest mismatch is
-FAILED_PRECONDITION; the service adds NOT_FOUND, ALREADY_EXISTS and the rest through `ServiceError`.
+FAILED_PRECONDITION, a request the KV pool cannot hold (KVCapacityError) is
+RESOURCE_EXHAUSTED, a broken target group (GroupError) is UNAVAILABLE; the service adds NOT_FOUND, ALREADY_EXISTS and the rest through `ServiceError`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import grpc
 
 from eyas.errors import VersionError
 from eyas.manifest import ManifestMismatch
+from eyas.rpc import FIELD_KEY
+from eyas.runtime.kv import KVCapacityError
+from eyas.runtime.shard import GroupError
 
-FIELD_KEY = "eyas-field"
 log = logging.getLogger("eyas.service")
 
 
@@ -31,6 +34,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(code, field, details) for an exception raised while serving a call."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.field, str(exc)
+    if isinstance(exc, GroupError):  # a rank of the worker's group died: the worker is as good as lost
+        return grpc.StatusCode.UNAVAILABLE, "group", str(exc)
+    if isinstance(exc, KVCapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, exc.field, str(exc)
     if isinstance(exc, (VersionError, ManifestMismatch)):
         return grpc.StatusCode.FAILED_PRECONDITION, exc.field, str(exc)
     if isinstance(exc, ValueError):
@@ -44,11 +51,3 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """End the call with the status `exc` maps to; the field also travels as trailing metadata."""
     code, field, details = status_of(exc)
     await context.abort(code, details, trailing_metadata=((FIELD_KEY, field),))
-
-
-def field_of(error: grpc.RpcError) -> str:
-    """The field a failed call names (from the `eyas-field` trailer), or "" when it names none."""
-    for key, value in error.trailing_metadata() or ():
-        if key == FIELD_KEY:
-            return value
-    return ""

@@ -1,24 +1,30 @@
 """The client-facing gRPC front door (service eyas.v1.Eyas): generation streams, batch jobs, status, scaling.
 
 It converts messages and streams; the coordinator owns requests. A client that goes away
-cancels its requests, which frees their caches at the next round boundary.
+cancels its requests, which frees their caches at the next round boundary. Messages arrive as
+bytes (at most `service.max_request_bytes`, refused by gRPC before decoding) and are decoded
+here, so a malformed one is INVALID_ARGUMENT; admission (tokenizing included) runs off the event
+loop, so no request delays another call.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from eyas import wire
 from eyas.errors import RequestError
 from eyas.v1 import service_pb2 as spb
 from eyas.v1 import service_pb2_grpc as spb_grpc
 
-from .coordinator import DEFAULT_MAX_NEW_TOKENS, Chunk, Coordinator, Job
 from .errors import ServiceError, abort, status_of
-from .server import start_server
+from .job import DEFAULT_MAX_NEW_TOKENS, Chunk, Job
+from .limits import MAX_POOL_SIZE, check_id
+from .server import bind_server
 
 _END = object()
 
@@ -35,16 +41,61 @@ def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[
     return emit
 
 
-class FrontDoor(spb_grpc.EyasServicer):
-    """Implements eyas.v1.Eyas on top of a `Coordinator` running in the same process."""
+class Requests(Protocol):
+    """What the front door asks of the coordinator (`eyas.actors.coordinator.Coordinator`) in its process."""
 
-    def __init__(self, coordinator: Coordinator):
+    manifest_id: str
+
+    def admit(self, prompt: str | Sequence[int], emit: Callable[[Chunk | Exception], None], **options: Any) -> Job:
+        """Validate a request and queue it; options: request_id, max_new_tokens, sampling, stop, ignore_eos, tree, trace."""
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def status(self) -> dict: ...
+
+    def scale(self, draft: int | None = None, target: int | None = None) -> dict: ...
+
+
+class FrontDoor(spb_grpc.EyasServicer):
+    """Implements eyas.v1.Eyas on top of the coordinator running in the same process."""
+
+    def __init__(self, coordinator: Requests):
         self.coordinator = coordinator
         self._server: grpc.aio.Server | None = None
 
-    async def start(self, host: str, port: int, token: str | None) -> int:
-        self._server, bound = await start_server(lambda s: spb_grpc.add_EyasServicer_to_server(self, s), host, port, token)
+    def bind(self, host: str, port: int, token: str | None, max_request_bytes: int) -> int:
+        """Take host:port for eyas.v1.Eyas (a busy port is refused at once); calls are answered only after `start`."""
+        handler = self._handler()
+        self._server, bound = bind_server(
+            lambda s: s.add_generic_rpc_handlers((handler,)), host, port, token, max_receive_bytes=max_request_bytes
+        )
         return bound
+
+    async def start(self) -> None:
+        await self._server.start()
+
+    def _handler(self) -> grpc.GenericRpcHandler:
+        """Every method on raw request bytes, decoded by `_parse` so that a malformed message is INVALID_ARGUMENT."""
+
+        def unary(request_type: type[Message], method: Callable) -> grpc.RpcMethodHandler:
+            async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+                return await method(await _parse(raw, request_type, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serialize)
+
+        async def generate(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[spb.TokenChunk]:
+            async for chunk in self.Generate(await _parse(raw, spb.GenerateRequest, context), context):
+                yield chunk
+
+        methods = {
+            "Generate": grpc.unary_stream_rpc_method_handler(generate, response_serializer=_serialize),
+            "RunJob": grpc.stream_stream_rpc_method_handler(self.RunJob, response_serializer=_serialize),
+            "Cancel": unary(spb.CancelRequest, self.Cancel),
+            "Status": unary(spb.StatusRequest, self.Status),
+            "Scale": unary(spb.ScaleRequest, self.Scale),
+            "Health": unary(spb.HealthRequest, self.Health),
+        }
+        return grpc.method_handlers_generic_handler(spb.DESCRIPTOR.services_by_name["Eyas"].full_name, methods)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -88,7 +139,7 @@ class FrontDoor(spb_grpc.EyasServicer):
     async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[spb.TokenChunk]:
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            job = self._admit(request, _emitter(asyncio.get_running_loop(), queue))
+            job = await asyncio.to_thread(self._admit, request, _emitter(asyncio.get_running_loop(), queue))
         except Exception as exc:
             await abort(context, exc)
         finished = False
@@ -105,7 +156,11 @@ class FrontDoor(spb_grpc.EyasServicer):
                 job.cancelled.set()
 
     async def RunJob(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[spb.JobResult]:
-        """Admit every item as it arrives; stream one result per item as each finishes (errors included)."""
+        """Admit every item as it arrives; stream one result per item as each finishes (errors included).
+
+        A malformed item gets an error result (field "item") and the job goes on; the stream ends after the
+        last item's result.
+        """
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
         jobs: list[Job] = []
@@ -113,14 +168,23 @@ class FrontDoor(spb_grpc.EyasServicer):
 
         async def read() -> None:
             nonlocal items
-            async for item in request_iterator:
-                items += 1
-                collector = _Collector(item.id, self.coordinator.manifest_id, _emitter(loop, results))
-                try:
-                    jobs.append(self._admit(item.request, collector.add))
-                except Exception as exc:
-                    results.put_nowait(collector.failure(exc))
-            results.put_nowait(_END)
+            try:
+                async for raw in request_iterator:
+                    items += 1
+                    try:
+                        item = spb.JobItem.FromString(raw)
+                    except DecodeError as exc:
+                        failure = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "item", f"item {items} is not a JobItem: {exc}")
+                        results.put_nowait(_job_failure("", failure))
+                        continue
+                    collector = _Collector(item.id, self.coordinator.manifest_id, _emitter(loop, results))
+                    try:
+                        check_id(item.id, "id")
+                        jobs.append(await asyncio.to_thread(self._admit, item.request, collector.add))
+                    except Exception as exc:
+                        results.put_nowait(collector.failure(exc))
+            finally:
+                results.put_nowait(_END)
 
         reader = asyncio.create_task(read())
         sent, total = 0, None
@@ -140,6 +204,7 @@ class FrontDoor(spb_grpc.EyasServicer):
 
     async def Cancel(self, request: spb.CancelRequest, context: grpc.aio.ServicerContext) -> spb.CancelReply:
         try:
+            check_id(request.ref.request_id, "ref.request_id")
             if request.ref.manifest_id and request.ref.manifest_id != self.coordinator.manifest_id:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "manifest_id", "is not this service's manifest")
             self.coordinator.cancel(request.ref.request_id)
@@ -153,6 +218,9 @@ class FrontDoor(spb_grpc.EyasServicer):
     async def Scale(self, request: spb.ScaleRequest, context: grpc.aio.ServicerContext) -> spb.StatusReply:
         sizes = {name: getattr(request, name) if request.HasField(name) else None for name in ("draft", "target")}
         try:
+            for name, size in sizes.items():
+                if size is not None and size > MAX_POOL_SIZE:
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, name, f"pool size {size} exceeds the limit of {MAX_POOL_SIZE}")
             status = await asyncio.to_thread(self.coordinator.scale, **sizes)
         except Exception as exc:
             await abort(context, exc)
@@ -160,6 +228,18 @@ class FrontDoor(spb_grpc.EyasServicer):
 
     async def Health(self, request: spb.HealthRequest, context: grpc.aio.ServicerContext) -> spb.HealthReply:
         return spb.HealthReply(status="SERVING", manifest_id=self.coordinator.manifest_id)
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+async def _parse(raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext) -> Message:
+    """Decode a request, or end the call with INVALID_ARGUMENT naming the message."""
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        await abort(context, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}"))
 
 
 class _Collector:
@@ -191,5 +271,10 @@ class _Collector:
             )
 
     def failure(self, exc: Exception) -> spb.JobResult:
-        code, field, details = status_of(exc)
-        return spb.JobResult(id=self.item_id, error=spb.JobError(code=code.name, field=field, message=details))
+        return _job_failure(self.item_id, exc)
+
+
+def _job_failure(item_id: str, exc: Exception) -> spb.JobResult:
+    """The error result of one job item."""
+    code, field, details = status_of(exc)
+    return spb.JobResult(id=item_id, error=spb.JobError(code=code.name, field=field, message=details))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -29,7 +30,8 @@ def batch_label(active: int) -> str:
 class ServiceMetrics:
     """The coordinator's counters, histograms and gauges."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # seconds; the throughput window reads it
         self.registry = CollectorRegistry()
         r = self.registry
         self.confidence_nodes = Counter(
@@ -55,7 +57,11 @@ class ServiceMetrics:
         self.tokens = Counter("eyas_tokens", "Committed tokens by concurrency", ["batch"], registry=r)
         self.throughput = Gauge("eyas_throughput_tokens_per_second", "Committed tokens per second over the last minute by concurrency", ["batch"], registry=r)
         self.active = Gauge("eyas_active_requests", "Requests in flight", registry=r)
+        self.rounds = Counter(
+            "eyas_rounds", "Verified rounds, by whether the tree was drafted ahead (hit) or drafted after the reseed (fresh)", ["tree"], registry=r
+        )
         self._recent: deque[tuple[float, int, str]] = deque()
+        self._throughput_labels: set[str] = set()
         self._lock = threading.Lock()
         self._server = None
 
@@ -89,6 +95,7 @@ class ServiceMetrics:
         ):
             self.tree_nodes.labels(stage).inc(count)
         self.accepted_length.observe(decision.num_accepted)
+        self.rounds.labels("hit" if record.pre_built else "fresh").inc()
         for phase, seconds in {**record.seconds, **service_seconds}.items():
             self.phase_seconds.labels(phase).observe(seconds)
         self.temporary_kv.labels("draft").observe(record.draft_kv_bytes)
@@ -97,17 +104,18 @@ class ServiceMetrics:
             self.experts.observe(len(record.experts))
         label = batch_label(active)
         self.tokens.labels(label).inc(len(record.emitted))
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._recent.append((now, len(record.emitted), label))
             while self._recent and self._recent[0][0] < now - 60:
                 self._recent.popleft()
             window = max(1e-9, min(60.0, now - self._recent[0][0])) if len(self._recent) > 1 else 60.0
-            totals: dict[str, int] = {}
+            totals = dict.fromkeys(self._throughput_labels, 0)  # a label with no round in the window drops to 0
             for _, n, lab in self._recent:
                 totals[lab] = totals.get(lab, 0) + n
-        for lab, n in totals.items():
-            self.throughput.labels(lab).set(n / window)
+            self._throughput_labels.update(totals)
+            for lab, n in totals.items():
+                self.throughput.labels(lab).set(n / window)
 
     def observe_request(self, seconds: float, active: int) -> None:
         self.latency.labels(batch_label(active)).observe(seconds)

@@ -9,6 +9,8 @@ checked on receipt, and every call's time is split into RPC, serialization, queu
 
 from __future__ import annotations
 
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -19,15 +21,14 @@ import torch
 from google.protobuf.message import Message
 
 from eyas import wire
-from eyas.proposer import Proposal
+from eyas.rounds import Proposal, Verification
+from eyas.rpc import call_metadata, field_of
 from eyas.sampling import SamplingParams
-from eyas.target import Verification
-from eyas.tree import FlattenedTree, TreePolicy, validate_tree
+from eyas.tree import FlattenedTree, TreePolicy, check_fit
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
-from .errors import field_of
-from .server import call_metadata, parse_timing
+from .server import parse_timing
 
 SENDER_THREADS = 4  # calls in flight without a waiting caller, per worker (the commits of concurrent requests)
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -62,11 +63,12 @@ class RemoteError(Exception):
 @dataclass
 class CallTiming:
     """Seconds of remote calls, split: wire transport, (de)serialization and receipt checks on both ends,
-    waiting for the worker's compute thread, and compute."""
+    waiting for the worker's compute thread, waiting for batch-mates, and compute."""
 
     rpc: float = 0.0
     serialize: float = 0.0
     queue: float = 0.0
+    batch: float = 0.0
     compute: float = 0.0
 
     def reset(self) -> None:
@@ -78,7 +80,11 @@ class CallTiming:
 
 
 class WorkerClient:
-    """A channel to one worker's gRPC server, shared by every request routed to it."""
+    """A channel to one worker's gRPC server, shared by every request routed to it.
+
+    `close` never cuts a call in flight: the channel closes when its last call returns, and a call
+    started after `close` fails as a lost worker (so its request is rebuilt elsewhere).
+    """
 
     def __init__(self, role: str, worker_id: str, address: str, token: str | None, timeout: float):
         self.role = role
@@ -92,6 +98,33 @@ class WorkerClient:
         )
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._senders = ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix=f"eyas-send-{worker_id}")
+        self._guard = threading.Lock()
+        self._in_flight = 0
+        self._closed = False
+
+    def _enter(self) -> None:
+        with self._guard:
+            if self._closed:
+                raise WorkerLost(self, "the worker was removed from its pool")
+            self._in_flight += 1
+
+    def _leave(self) -> None:
+        with self._guard:
+            self._in_flight -= 1
+            last = self._closed and self._in_flight == 0
+        if last:
+            self._channel.close()
+
+    def _invoke(self, method: str, data: bytes, with_call: bool = False):
+        """One unary call on the shared channel, which stays open until the call returns."""
+        self._enter()
+        try:
+            stub = self._stub(method)
+            if with_call:
+                return stub.with_call(data, timeout=self.timeout, metadata=self._metadata)
+            return stub(data, timeout=self.timeout, metadata=self._metadata)
+        finally:
+            self._leave()
 
     def call(
         self,
@@ -108,7 +141,7 @@ class WorkerClient:
         data = build().SerializeToString()
         t1 = time.perf_counter()
         try:
-            raw, call = self._stub(method).with_call(data, timeout=self.timeout, metadata=self._metadata)
+            raw, call = self._invoke(method, data, with_call=True)
         except grpc.RpcError as error:
             raise self._translate(error) from None
         t2 = time.perf_counter()
@@ -119,6 +152,7 @@ class WorkerClient:
         server = parse_timing(call)
         timing.serialize += (t1 - t0) + (t3 - t2) + server["decode"] + server["encode"]
         timing.queue += server["queue"]
+        timing.batch += server["batch"]
         timing.compute += server["compute"]
         timing.rpc += (t2 - t1) - sum(server.values())
         return value
@@ -130,7 +164,7 @@ class WorkerClient:
         data = build().SerializeToString()
         timing.serialize += time.perf_counter() - t0
         try:
-            return self._senders.submit(self._stub(method), data, timeout=self.timeout, metadata=self._metadata)
+            return self._senders.submit(self._invoke, method, data)
         except RuntimeError:  # closed: the worker was removed from its pool
             raise WorkerLost(self, "the worker was removed from its pool") from None
 
@@ -157,12 +191,15 @@ class WorkerClient:
             return WorkerLost(self, f"{code.name}: {error.details()}")
         if code == grpc.StatusCode.NOT_FOUND:
             return SessionLost(self, error.details())
-        return RemoteError(self, code, field_of(error), error.details())
+        return RemoteError(self, code, field_of(error.trailing_metadata()), error.details())
 
     def health(self, timeout: float = 5.0) -> pb.WorkerHealth:
-        raw = self._channel.unary_unary(f"/{self.service}/Health")(
-            pb.WorkerHealthRequest().SerializeToString(), timeout=timeout, metadata=self._metadata
-        )
+        """The worker's counts; raises grpc.RpcError when it does not answer, WorkerLost after `close`."""
+        self._enter()
+        try:
+            raw = self._stub("Health")(pb.WorkerHealthRequest().SerializeToString(), timeout=timeout, metadata=self._metadata)
+        finally:
+            self._leave()
         return pb.WorkerHealth.FromString(raw)
 
     def release(self, ref: tpb.RequestRef) -> None:
@@ -173,8 +210,15 @@ class WorkerClient:
             pass
 
     def close(self) -> None:
+        """Refuse new calls; the channel closes once the calls in flight have returned."""
+        with self._guard:
+            if self._closed:
+                return
+            self._closed = True
+            idle = self._in_flight == 0
         self._senders.shutdown(wait=False, cancel_futures=True)
-        self._channel.close()
+        if idle:
+            self._channel.close()
 
 
 class RemoteSession:
@@ -225,7 +269,8 @@ class RemoteDraft(RemoteSession):
         def parse(reply: pb.Proposal) -> Proposal:
             self.check_ref(reply.ref, version)
             proposal = wire.proposal_from_proto(reply)
-            validate_tree(proposal.tree, vocab_size=self.vocab_size, budget=policy.budget, root_token=root_token)
+            # What only the coordinator knows; the target worker validates the tree's structure once, on receipt.
+            check_fit(proposal.tree, budget=policy.budget, root_token=root_token)
             return proposal
 
         proposal = self.client.call("Draft", build, pb.Proposal, parse, self.timing)
@@ -253,6 +298,7 @@ class RemoteTarget(RemoteSession):
         self.vocab_size = vocab_size
         self.feature_width = feature_width
         self._commit: tuple[int, Future] | None = None
+        self.round_id = ""  # the round of the tree last verified, which its commit names
         self.keep_wire = keep_wire
         self.exchange: tuple[bytes, bytes] | None = None
 
@@ -266,7 +312,7 @@ class RemoteTarget(RemoteSession):
     def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
         """The target side of the publish, sent without waiting: it runs while the next tree is drafted,
         off the round's critical path; `verify` first waits for its acknowledgement."""
-        message = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows)
+        message = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows, round_id=self.round_id)
         self._commit = (version, self.client.send("Commit", lambda: message, self.timing))
 
     def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
@@ -275,19 +321,26 @@ class RemoteTarget(RemoteSession):
             self._commit = None
             self.check_ref(self.client.finish(future, pb.Ack, self.timing).ref, committed)
 
+        round_id = secrets.token_hex(16)
+
         def build():
             request = self.ref(version)
-            return pb.VerifyRequest(ref=request, tree=wire.tree_to_proto(tree, request), sampling=wire.sampling_to_proto(params))
+            tree_msg = wire.tree_to_proto(tree, request)
+            return pb.VerifyRequest(ref=request, tree=tree_msg, sampling=wire.sampling_to_proto(params), round_id=round_id)
 
         def parse(reply: pb.Verification) -> Verification:
             self.check_ref(reply.ref, version)
             self.check_ref(reply.decision.ref, version)
+            if reply.round_id != round_id:
+                raise wire.WireError("round_id", "the reply names another round than the call")
             verification = wire.verification_from_proto(reply, self.feature_width)
             wire.validate_decision(verification.decision, tree, self.vocab_size)
             return verification
 
         keep = self._keep if self.keep_wire else None
-        return self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
+        verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
+        self.round_id = round_id
+        return verification
 
     def _keep(self, request: bytes, reply: bytes) -> None:
         self.exchange = (request, reply)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-TOKEN_KEY = "x-eyas-token"
+from eyas.rpc import TOKEN_KEY
+
 TIMING_KEY = "eyas-timing"
-PHASES = ("decode", "queue", "compute", "encode")
+WORKER_MESSAGE_BYTES = 256 << 20  # largest message between coordinator and workers (a long prefill's features)
+PHASES = ("decode", "queue", "batch", "compute", "encode")
 
 
 def is_loopback(host: str) -> bool:
@@ -29,13 +32,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC and peers write it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def advertised_host(host: str) -> str:
-    """The address peers dial for a server bound to `host`: the node's IP for a wildcard bind."""
+    """The address peers dial for a server bound to `host`: exactly that address (`localhost` as 127.0.0.1),
+    or the node's IP for a wildcard bind."""
     if host in ("0.0.0.0", "::"):
         import ray  # only servers inside Ray bind a wildcard; clients import this module without Ray
 
         return ray.util.get_node_ip_address()
-    return "127.0.0.1" if is_loopback(host) else host
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def advertised_address(host: str, port: int) -> str:
+    """`host:port` peers dial for a server bound to host:port."""
+    return host_port(advertised_host(host), port)
 
 
 def check_binding(host: str, token: str | None) -> None:
@@ -45,11 +59,6 @@ def check_binding(host: str, token: str | None) -> None:
             f"host: binding {host} exposes the service beyond this machine; set network.token (or EYAS_TOKEN) "
             "so every call must carry the shared token"
         )
-
-
-def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Metadata a client attaches to every call."""
-    return ((TOKEN_KEY, token),) if token else ()
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -86,27 +95,67 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return make(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
-async def start_server(
-    register: Callable[[grpc.aio.Server], None], host: str, port: int, token: str | None
+def bind_server(
+    register: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    token: str | None,
+    max_receive_bytes: int = WORKER_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server on host:port (0 picks a free port) with the services `register` adds."""
+    """A grpc.aio server bound to host:port (0 picks a free port) with the services `register` adds, not yet
+    serving; a message over `max_receive_bytes` is refused (RESOURCE_EXHAUSTED) before it is decoded.
+
+    The port is taken exclusively (no SO_REUSEPORT): a second server on a busy port is refused here, naming it,
+    instead of silently sharing the port with the first.
+    """
     check_binding(host, token)
     interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_send_message_length", WORKER_MESSAGE_BYTES),
+        ],
     )
     register(server)
+    busy = OSError(f"port: {host_port(host, port)} is in use (another eyas serve?); choose another with --port")
+    if port and not _bindable(host, port):
+        raise busy  # found before gRPC tries, which would also log its own error line
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:
-        raise OSError(f"port: cannot listen on {host}:{port} (in use?): {exc}") from None
+        bound = server.add_insecure_port(host_port(host, port))
+    except RuntimeError:
+        raise busy from None
+    return server, bound
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether nothing holds host:port (a probe socket binds it as gRPC does, with SO_REUSEADDR)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError:
+            return False
+    return True
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    token: str | None,
+    max_receive_bytes: int = WORKER_MESSAGE_BYTES,
+) -> tuple[grpc.aio.Server, int]:
+    """Bind (as `bind_server`) and start serving."""
+    server, bound = bind_server(register, host, port, token, max_receive_bytes)
     await server.start()
     return server, bound
 
 
 class Clock:
-    """Splits one call's server time into decode, queue, compute and encode seconds."""
+    """Splits one call's server time into decode, queue, batch (waiting for batch-mates), compute and encode seconds."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
@@ -117,6 +166,11 @@ class Clock:
         now = time.perf_counter()
         self.seconds[phase] += now - self._last
         self._last = now
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Recharge `seconds` already counted under `source` to `target`."""
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
 
     def trailer(self) -> tuple[tuple[str, str], ...]:
         return ((TIMING_KEY, ",".join(f"{self.seconds[p]:.9f}" for p in PHASES)),)

@@ -2,8 +2,10 @@
 
 A worker is a Ray actor running a grpc.aio server; trees, decisions and features travel over that
 server as protobuf, never through Ray's object store. Every endpoint decodes and checks its
-message, then runs on one compute thread (so a worker's sessions change one call at a time) and
-reports its decode / queue / compute / encode seconds in the call's trailer.
+message, then runs on a compute thread of its own; the calls of one request run one at a time in
+arrival order, and the forwards of the calls of different requests that are in flight together
+run as one batch (continuous batching, docs/runtime.md). Each call reports its decode / queue /
+batch (waiting for batch-mates) / compute / encode seconds in its trailer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import os
 import resource
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,15 +25,14 @@ from google.protobuf.message import DecodeError, Message
 from transformers.utils import logging as hf_logging
 
 from eyas.manifest import Manifest
+from eyas.runtime.batch import Rendezvous, batch_wait_seconds
 from eyas.tree import TreeError, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
 from .errors import ServiceError, abort
-from .server import Clock, advertised_host, start_server
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from .limits import MAX_ID_BYTES
+from .server import Clock, advertised_address, start_server
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -40,12 +41,16 @@ class WorkerSpec:
     target: str
     drafter: str
     tree_limit: TreePolicy
-    dtype: str = "float32"
+    dtype: str = "auto"
     feature_layers: tuple[int, ...] | None = None
     allow_manifest_mismatch: bool = False
     host: str = "127.0.0.1"
-    token: str | None = None
+    token: str | None = None  # the service's own worker credential: every call must carry it, even on loopback
     threads: int = 1
+    draft_ahead: int = 0  # trees a draft worker pre-builds per request during each verification
+    max_concurrency: int = 64  # calls of different requests a worker runs (and batches) at once
+    kv_slots: int = 16  # sessions one worker's KV pool holds at once
+    tensor_parallel: int = 1  # ranks of a target group (docs/groups.md)
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,18 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def assigned_device() -> torch.device:
+    """The device Ray assigned this actor: its GPUs are the only ones it sees (CUDA_VISIBLE_DEVICES set by Ray),
+    so the first is cuda:0; cpu when it reserved none."""
+    return torch.device("cuda", 0) if ray.get_gpu_ids() else torch.device("cpu")
+
+
 class Worker:
     """Base of `DraftWorker` and `TargetWorker`: subclasses load models and define `endpoints`."""
 
     role = ""
     service = ""
+    follower: type | None = None  # the actor class of ranks 1..N-1 when the worker leads a group
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
@@ -92,8 +104,11 @@ class Worker:
         self.max_positions = 0
         self.calls = 0
         self.busy_seconds = 0.0
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"eyas-{self.role}")
+        self._compute = ThreadPoolExecutor(spec.max_concurrency, thread_name_prefix=f"eyas-{self.role}")
+        self.rendezvous = Rendezvous()  # the calls in flight: their forwards batch together
+        self._tails: dict[str, asyncio.Future] = {}  # per request: the last call, which the next one waits for
         self._server: grpc.aio.Server | None = None
+        self.device = assigned_device()
 
     # -- subclass contract --------------------------------------------------------------------
     def load(self) -> None:
@@ -112,9 +127,17 @@ class Worker:
         """Role-specific fields of `WorkerInfo`."""
         return {}
 
+    def forget(self, request_id: str) -> None:
+        """Drop role-specific bookkeeping of a released session."""
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, port: int = 0) -> WorkerInfo:
-        """Load the models, then serve on the configured host; returns where the worker listens."""
+        """Load the models, then serve on the configured host; returns where the worker listens.
+
+        A worker takes calls only from its own service: it refuses to start without the service's credential.
+        """
+        if not self.spec.token:
+            raise WorkerStartError("token: a worker needs its service's credential (WorkerSpec.token)")
         loop = asyncio.get_running_loop()
         torch.set_num_threads(self.spec.threads)
         hf_logging.disable_progress_bar()
@@ -132,7 +155,7 @@ class Worker:
         )
         return WorkerInfo(
             role=self.role,
-            address=f"{advertised_host(self.spec.host)}:{bound}",
+            address=advertised_address(self.spec.host, bound),
             manifest_id=self.manifest.id,
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
@@ -154,7 +177,7 @@ class Worker:
                 except DecodeError as exc:
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
                 clock.lap("decode")
-                reply = await asyncio.get_running_loop().run_in_executor(self._compute, self._run, fn, request, clock)
+                reply = await self._in_order(getattr(request, "ref", None), fn, request, clock)
                 data = reply.SerializeToString()
                 clock.lap("encode")
             except Exception as exc:
@@ -164,11 +187,31 @@ class Worker:
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
+    async def _in_order(self, ref, fn: Callable[[Message, Clock], Message], request: Message, clock: Clock) -> Message:
+        """Run a call on a compute thread after the calls of the same request that arrived before it."""
+        loop = asyncio.get_running_loop()
+        key = ref.request_id if ref is not None else ""
+        previous = self._tails.get(key)
+        done = loop.create_future()
+        self._tails[key] = done
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)
+            return await loop.run_in_executor(self._compute, self._run, fn, request, clock)
+        finally:
+            done.set_result(None)
+            if self._tails.get(key) is done:
+                del self._tails[key]
+
     def _run(self, fn: Callable[[Message, Clock], Message], request: Message, clock: Clock) -> Message:
         clock.lap("queue")
+        self.rendezvous.join()
+        batch_wait_seconds()
         try:
             return fn(request, clock)
         finally:
+            self.rendezvous.leave()
+            clock.move("compute", "batch", batch_wait_seconds())
             self.calls += 1
             self.busy_seconds += clock.seconds["compute"]
 
@@ -180,7 +223,6 @@ class Worker:
             sessions=len(sessions),
             kv_bytes=sum(self.session_kv_bytes(s) for s in sessions.values()),
             rss_bytes=rss_bytes(),
-            request_ids=sorted(sessions),
             calls=self.calls,
             busy_seconds=self.busy_seconds,
         ).SerializeToString()
@@ -191,6 +233,8 @@ class Worker:
         clock.lap("decode")
         freed = self.session_kv_bytes(session)
         del self.sessions[msg.ref.request_id]
+        self.forget(msg.ref.request_id)
+        session.close()
         clock.lap("compute")
         return pb.Released(ref=msg.ref, freed_kv_bytes=freed)
 
@@ -199,6 +243,8 @@ class Worker:
         """Every message names a request id, a nonnegative version and this worker's manifest id."""
         if not ref.request_id:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", "is empty")
+        if len(ref.request_id.encode()) > MAX_ID_BYTES:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", f"is longer than {MAX_ID_BYTES} bytes")
         if ref.version < 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "version", f"{ref.version} is negative")
         if ref.manifest_id != self.manifest.id:
@@ -226,7 +272,11 @@ class Worker:
                 grpc.StatusCode.ALREADY_EXISTS, "request_id", f"request {ref.request_id!r} already has a session here"
             )
 
-    def check_tokens(self, tokens: Iterable[int], field: str) -> list[int]:
+    def check_tokens(self, tokens: Sequence[int], field: str, limit: int | None = None) -> list[int]:
+        """Token ids in the vocabulary, at most `limit` of them (the model's positions when None)."""
+        limit = self.max_positions if limit is None else limit
+        if limit and len(tokens) > limit:
+            raise TreeError(field, f"{len(tokens)} tokens exceed the limit of {limit}")
         tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
@@ -236,7 +286,7 @@ class Worker:
     def check_policy(self, policy: TreePolicy) -> None:
         """No tree knob may exceed the service's configured tree policy."""
         limit = self.spec.tree_limit
-        for knob in ("top_k", "depth", "budget"):
+        for knob in ("width", "depth", "budget"):
             if getattr(policy, knob) > getattr(limit, knob):
                 raise TreeError(knob, f"{getattr(policy, knob)} exceeds the service limit {getattr(limit, knob)}")
 

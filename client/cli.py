@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
+from importlib.metadata import version
+from pathlib import Path
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
+from eyas.client.bench.commands import add_bench_commands
+from eyas.client.client import Client, EyasError, default_address
+from eyas.client.loading import quiet_loading
 from eyas.client.trace_cli import add_trace_commands
 
-
-def _quiet_loading() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+EXIT_FAILED = 1  # the command ran and could not do its job (no service, no resources, a divergence found)
+EXIT_BAD_INPUT = 2  # the input is wrong (usage, a value, a missing file or model); argparse exits 2 as well
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away (`eyas status | head -1`), as a shell reports SIGPIPE
+BAD_INPUT_CODES = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "ALREADY_EXISTS", "OUT_OF_RANGE", "UNAUTHENTICATED"})
+DISCOVERY_TIMEOUT_S = 2.0  # how long `eyas generate` waits for a service at the default address to answer
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
-    parser.add_argument("--top-k", type=int, help="tree expansion width (default 8; with none of the three knobs, --local tunes the tree itself: tree auto)")
+    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the three knobs, --local tunes the tree itself: tree auto)")
+    parser.add_argument("--top-k", type=int, dest="ambiguous_top_k", help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help="tree depth (default 5)")
     parser.add_argument("--budget", type=int, help="verify budget, candidate nodes besides the root (default 32)")
     parser.add_argument(
@@ -32,57 +38,86 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--sample-top-k", type=int, default=0, help="top-k truncation of the target distribution")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens with this much probability (default 1.0: all)")
+    parser.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k: keep the k most likely tokens of the target distribution (default 0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling draws; same seed, same output (default 0)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str]:
-    return str(args.target or demo_model("target")), str(args.drafter or demo_model(DEFAULT_DRAFTER))
+    """The --target and --drafter directories (the bundled demo models by default); a missing one is named."""
+    target, drafter = Path(args.target or demo_model("target")), Path(args.drafter or demo_model(DEFAULT_DRAFTER))
+    for flag, path in (("--target", target), ("--drafter", drafter)):
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{flag}: {path} is not a model directory (no config.json)")
+    return str(target), str(drafter)
 
 
 def tree_args(args: argparse.Namespace) -> dict:
     """The tree knobs given on the command line (the others keep their defaults)."""
-    knobs = {"top_k": args.top_k, "depth": args.depth, "budget": args.budget}
+    if args.ambiguous_top_k is not None:
+        raise ValueError("--top-k: ambiguous, not accepted; the tree's expansion width is --tree-width, sampling top-k is --sample-top-k")
+    knobs = {"width": args.tree_width, "depth": args.depth, "budget": args.budget}
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def add_server_args(parser: argparse.ArgumentParser, default: str | None = "127.0.0.1:50051") -> None:
-    where = f"default {default}" if default else "default: start an embedded local service for this call"
-    parser.add_argument("--server", default=default, help=f"address of a running `eyas serve` ({where})")
+def add_server_args(parser: argparse.ArgumentParser, discover: bool = False) -> None:
+    where = "default: $EYAS_SERVER, else 127.0.0.1:50051"
+    if discover:
+        where += "; when none answers there, an embedded service is started for this call"
+    parser.add_argument("--server", default=None if discover else default_address(), help=f"address of a running `eyas serve` ({where})")
     parser.add_argument("--token", help="shared token the service requires (default: $EYAS_TOKEN)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate one completion through the service (a running one with --server, else an embedded local one),
-    or in this process with --local; print it as it is generated (or a JSON record with statistics)."""
+    """Generate one completion through the service (the one at --server; without --server, the one answering at
+    $EYAS_SERVER or 127.0.0.1:50051, else an embedded one started for this call), or in this process with --local;
+    print it as it is generated (or a JSON record with statistics)."""
+    tree_args(args)  # an ambiguous --top-k is refused before anything starts
     return generate_local(args) if args.local else generate_service(args)
 
 
-def generate_service(args: argparse.Namespace) -> int:
-    from eyas.client.client import Client
+def running_service(address: str, token: str | None) -> bool:
+    """Whether an eyas service answers at `address` (a refusal such as a missing token is an answer)."""
+    with Client(address, token=token, timeout=DISCOVERY_TIMEOUT_S) as client:
+        try:
+            client.health()
+        except EyasError as exc:
+            return exc.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    return True
 
-    if args.server:
-        with Client(args.server, token=args.token) as client:
-            return _print_generation(client, args, client.health()["manifest_id"], tree_args(args))
-    from eyas.cluster.config import ServiceConfig
-    from eyas.cluster.pools import PoolError
+
+def generate_service(args: argparse.Namespace) -> int:
+    """Through the service at --server; without --server, the one answering at the default address, else an
+    embedded one started for this call (stderr says which)."""
+
+    address = args.server
+    if address is None:
+        address = default_address()
+        if running_service(address, args.token):
+            print(f"eyas generate: using the eyas service at {address}", file=sys.stderr)
+        else:
+            print(f"eyas generate: no eyas service answers at {address}; starting an embedded one for this call", file=sys.stderr)
+            return generate_embedded(args)
+    with Client(address, token=args.token) as client:
+        return _print_generation(client, args, client.health()["manifest_id"], tree_args(args))
+
+
+def generate_embedded(args: argparse.Namespace) -> int:
+    """Start a service (embedded Ray, a free port) for one generation, then stop it."""
+    from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import Service
 
+    quiet_loading()
     config = ServiceConfig.load(args.config)
     overrides = {"target": args.target, "drafter": args.drafter}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, tree=replace(config.tree, **tree_args(args)))
     if args.allow_manifest_mismatch:
         config = replace(config, allow_manifest_mismatch=True)
-    try:
-        service = Service(config, port=0).start()
-    except (PoolError, OSError) as exc:
-        print(f"eyas generate: error: {exc}", file=sys.stderr)
-        return 1
+    service = Service(config, port=0, on_progress=lambda line: print(f"eyas generate: {line}", file=sys.stderr)).start()
     try:
         with Client(service.address, token=config.shared_token) as client:
             return _print_generation(client, args, client.health()["manifest_id"], None)
@@ -98,7 +133,7 @@ def _print_generation(client, args: argparse.Namespace, manifest_id: str, tree: 
         top_k=args.sample_top_k,
         seed=args.seed,
         stop=args.stop,
-        tree={"top_k": 8, "depth": 5, "budget": 32, **tree} if tree else None,
+        tree={"width": 8, "depth": 5, "budget": 32, **tree} if tree else None,
     )
     tokens, text = [], []
     for chunk in client.stream(args.prompt, trace=args.trace, **options):
@@ -130,7 +165,7 @@ def _print_generation(client, args: argparse.Namespace, manifest_id: str, tree: 
 def generate_local(args: argparse.Namespace) -> int:
     from eyas import Engine
 
-    _quiet_loading()
+    quiet_loading()
     target, drafter = resolve_models(args)
     engine = Engine.from_pretrained(
         target, drafter, tree=tree_args(args) or "auto", allow_manifest_mismatch=args.allow_manifest_mismatch
@@ -177,7 +212,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Train an EAGLE-1, HASS or EAGLE-3 drafter for a frozen target as a recipe describes."""
     from eyas.train.recipe import Recipe
 
-    _quiet_loading()
+    quiet_loading()
     recipe = Recipe.from_yaml(
         args.config, target=args.target, output=args.output, max_steps=args.max_steps, workers=args.workers
     )
@@ -197,7 +232,7 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
     """Rebuild the bundled demo models: tokenizer, target, plain draft LM, EAGLE-1/HASS/EAGLE-3 drafters, report."""
     from eyas.demo.drafters import build_demo
 
-    _quiet_loading()
+    quiet_loading()
     build_demo(
         out_root=args.out,
         work_dir=args.work_dir,
@@ -241,32 +276,28 @@ def cmd_vllm_setup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
     and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
-    from eyas.cluster.config import ServiceConfig
-    from eyas.cluster.pools import PoolError
+    from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import serve
 
-    _quiet_loading()
-    try:
-        serve(
-            ServiceConfig.load(args.config),
-            args.address,
-            args.port,
-            lambda address: print(f"eyas ready at {address}", flush=True),
-            trace=args.trace,
-        )
-    except (PoolError, OSError) as exc:
-        print(f"eyas serve: error: {exc}", file=sys.stderr)
-        return 1
+    quiet_loading()
+    serve(
+        ServiceConfig.load(args.config),
+        args.address,
+        args.port,
+        lambda address: print(f"eyas ready at {address}", flush=True),
+        trace=args.trace,
+        on_progress=lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True),
+    )
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Run a JSONL batch job on a running service; resumable (ids already in the output are skipped).
     Input lines: {"id", "prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}."""
-    from eyas.client.client import Client
+    from eyas.client.jobs import run_job
 
     with Client(args.server, token=args.token) as client:
-        report = client.submit_job(args.input, args.output, progress=not args.no_progress)
+        report = run_job(client, args.input, args.output, progress=not args.no_progress)
     for error in report.errors:
         where = f"line {error['line']}" + (f" (id {error['id']})" if error.get("id") else "")
         print(f"eyas submit: {where}: {error['code']}: {error['message']}", file=sys.stderr)
@@ -276,7 +307,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Show a running service's pools (workers, load, sessions, memory), requests and acceptance so far."""
-    from eyas.client.client import Client
 
     with Client(args.server, token=args.token) as client:
         status = client.status()
@@ -286,10 +316,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     """Resize a running service's draft and/or target pool without failing requests."""
-    from eyas.client.client import Client
 
     if args.draft is None and args.target is None:
         raise ValueError("give --draft N and/or --target M")
+    sizes = ", ".join(f"{name} {size}" for name, size in (("draft", args.draft), ("target", args.target)) if size is not None)
+    print(f"eyas scale: resizing to {sizes}; new workers load their models first (`eyas serve` shows their progress)", file=sys.stderr)
     with Client(args.server, token=args.token) as client:
         print(format_status(client.scale(draft=args.draft, target=args.target)))
     return 0
@@ -302,12 +333,19 @@ def format_status(status: dict) -> str:
         f"tokens/forward {status['mean_accept_length']:.2f}"
     ]
     for pool in status["pools"]:
-        lines.append(f"{pool['name']} pool: size {pool['size']}")
+        ranks = pool.get("tensor_parallel", 1)
+        lines.append(f"{pool['name']} pool: size {pool['size']}" + (f" groups of {ranks} ranks" if ranks > 1 else ""))
         for w in pool["workers"]:
             lines.append(
                 f"  {w['worker_id']:<10} {w['state']:<8} {w['address']:<21} node {w['node_id'][:8]}  assigned {w['assigned']}  "
-                f"sessions {w['sessions']}  kv {w['kv_bytes'] / 2**20:.1f} MiB  rss {w['rss_bytes'] / 2**20:.0f} MiB"
+                f"sessions {w['sessions']}  kv {w['kv_bytes'] / 2**20:.1f} MiB{' per rank' if w.get('ranks') else ''}  "
+                f"rss {w['rss_bytes'] / 2**20:.0f} MiB"
             )
+            for r in w.get("ranks") or []:
+                lines.append(
+                    f"    rank {r['rank']}  {r['device']:<7} node {r['node_id'][:8]}  pid {r['pid']}  "
+                    f"weights {r['weight_bytes'] / 2**20:.1f} MiB  kv pool {r['kv_pool_bytes'] / 2**20:.1f} MiB"
+                )
     metrics = status.get("metrics") or {}
     calibration = []
     for key, nodes in sorted(metrics.items()):
@@ -318,28 +356,18 @@ def format_status(status: dict) -> str:
         lines.append("acceptance by draft confidence (bucket upper edge): " + ", ".join(calibration))
     if status.get("metrics_address"):
         lines.append(f"metrics: http://{status['metrics_address']}/metrics")
+    if status.get("ray_address"):
+        lines.append(f"ray: {status['ray_address']} (`ray status --address {status['ray_address']}`)")
     return "\n".join(lines)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmark eyas against Hugging Face (plain and assisted), vLLM (plain and EAGLE) and its own service."""
-    from .bench import SYSTEMS, main_bench
-
-    _quiet_loading()
-    systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else SYSTEMS
-    result = main_bench(args.suite, args.json, args.png, args.prompts, systems, args.blocks, args.max_new_tokens)
-    for entry in result["systems"]:
-        speedup = entry["speedup_vs_hf"]
-        accept = entry["mean_accept_length"]
-        print(
-            f"{entry['system']:>13} {entry['drafter']:>8} t={entry['temperature']:<4} {entry['tokens_per_s']:8.1f} tok/s"
-            f"  x{speedup or 0:5.2f}  accept {accept or 0:5.2f}"
-        )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eyas", description="EAGLE speculative decoding: engine, service and tools.")
+    parser = argparse.ArgumentParser(
+        prog="eyas",
+        description="EAGLE speculative decoding: engine, service and tools.",
+        epilog="exit status: 0 done, 1 failed (no service, no resources, a divergence found), 2 bad input or usage",
+    )
+    parser.add_argument("--version", action="version", version=f"eyas {version('eyas')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion", description=cmd_generate.__doc__)
@@ -350,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead of the service")
     gen.add_argument("--config", help="service config for the embedded service (default: configs/local.yaml settings)")
     gen.add_argument("--trace", help="append this request's rounds to a trace file (see `eyas trace show`)")
-    add_server_args(gen, default=None)
+    add_server_args(gen, discover=True)
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="run the draft/verify service", description=cmd_serve.__doc__)
@@ -413,32 +441,40 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_setup = sub.add_parser("vllm-setup", help="create the vLLM environment", description=cmd_vllm_setup.__doc__)
     vllm_setup.set_defaults(func=cmd_vllm_setup)
 
-    bench = sub.add_parser("bench", help="benchmark against the peers", description=cmd_bench.__doc__)
-    bench.add_argument("--suite", default="demo", help="model and prompt suite (demo: the bundled models)")
-    bench.add_argument("--json", required=True, help="where the JSON results go")
-    bench.add_argument("--png", help="directory for PNG charts")
-    bench.add_argument("--prompts", type=int, default=30, help="held-out prompts (default 30)")
-    bench.add_argument("--systems", help="comma-separated subset of hf,hf-assisted,vllm,vllm-eagle,eyas,eyas-service")
-    bench.add_argument("--blocks", type=int, default=3, help="prompt blocks interleaved across systems (default 3)")
-    bench.add_argument("--max-new-tokens", type=int, default=64)
-    bench.set_defaults(func=cmd_bench)
+    add_bench_commands(sub)
 
     add_trace_commands(sub)
     return parser
 
 
+def exit_status(exc: Exception) -> int | None:
+    """The exit status of an error the user can act on (see EXIT_*), or None for a bug (shown as a traceback)."""
+    if isinstance(exc, EyasError):
+        return EXIT_BAD_INPUT if exc.code in BAD_INPUT_CODES else EXIT_FAILED
+    if isinstance(exc, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, (OSError, RuntimeError)):
+        return EXIT_FAILED
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from eyas.client.client import EyasError
-
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can reach the reader
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:
+        status = exit_status(exc)
+        if status is None:
+            raise
         print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except EyasError as exc:
-        print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return status
 
 
 if __name__ == "__main__":

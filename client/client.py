@@ -14,14 +14,20 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import Message
 
-from eyas.actors.errors import field_of
-from eyas.actors.server import call_metadata
+from eyas.rpc import FIELD_KEY, call_metadata, field_of
 from eyas.trace.store import TraceWriter
 from eyas.v1 import service_pb2 as spb
 from eyas.v1 import service_pb2_grpc as spb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
+SERVER_ENV = "EYAS_SERVER"  # overrides DEFAULT_ADDRESS for every client
+
+
+def default_address() -> str:
+    """Where clients look for a service: $EYAS_SERVER, else 127.0.0.1:50051."""
+    return os.environ.get(SERVER_ENV) or DEFAULT_ADDRESS
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")  # top_k: sampling top-k
+TREE_KNOBS = ("width", "depth", "budget")  # width: the tree's expansion width
 
 
 class EyasError(RuntimeError):
@@ -35,10 +41,11 @@ class EyasError(RuntimeError):
 
     @classmethod
     def from_rpc(cls, error: grpc.RpcError, address: str) -> "EyasError":
-        code = error.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
+        code, trailers = error.code(), error.trailing_metadata() or ()
+        answered = any(key == FIELD_KEY for key, _ in trailers)  # the service names a field on every refusal
+        if code == grpc.StatusCode.UNAVAILABLE and not answered:
             return cls(code.name, "", f"no eyas service answers at {address} ({error.details()}); start one with `eyas serve`")
-        return cls(code.name, field_of(error), error.details())
+        return cls(code.name, field_of(trailers), error.details())
 
 
 @dataclass
@@ -92,7 +99,9 @@ def build_request(
         if value is not None:
             setattr(msg.sampling, name, value)
     if tree is not None:
-        msg.tree.top_k, msg.tree.depth, msg.tree.budget = tree["top_k"], tree["depth"], tree["budget"]
+        if set(tree) != set(TREE_KNOBS):
+            raise ValueError(f"tree: give exactly {', '.join(TREE_KNOBS)} (width is the expansion width; top_k is sampling only), got {sorted(tree)}")
+        msg.tree.width, msg.tree.depth, msg.tree.budget = (tree[knob] for knob in TREE_KNOBS)
     return msg
 
 
@@ -102,13 +111,13 @@ def chunk_from_proto(msg: spb.TokenChunk) -> Chunk:
 
 
 class Client:
-    """Talks to an eyas front door at `address` (host:port); `token` is needed when the service requires one."""
+    """Talks to an eyas front door at `address` (host:port; default `default_address()`); `token` is needed when the service requires one."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None, timeout: float | None = None):
-        self.address = address
+    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = None):
+        self.address = address or default_address()
         self.timeout = timeout
         self.metadata = call_metadata(token or os.environ.get("EYAS_TOKEN"))
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(self.address)
         self.stub = spb_grpc.EyasStub(self._channel)
 
     def close(self) -> None:
@@ -149,12 +158,6 @@ class Client:
             tokens += chunk.token_ids
             text.append(chunk.text)
         return Result(chunk.request_id, tokens, "".join(text), chunk.finish_reason, chunk.stats)
-
-    def submit_job(self, in_jsonl: str | Path, out_jsonl: str | Path, progress: bool = True):
-        """Run a JSONL batch job (see `eyas.client.jobs`); returns its `JobReport`."""
-        from .jobs import run_job
-
-        return run_job(self, in_jsonl, out_jsonl, progress)
 
     def _unary(self, method: str, request):
         try:

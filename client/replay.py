@@ -1,7 +1,7 @@
 """Replaying a trace: rebuild each request from its prompt and re-verify every recorded tree against the target.
 
 Each recorded tree is verified by the engine's own `TargetSession` on top of the committed prefix,
-with the recorded draws, and published with the engine's transaction; with a drafter, the drafter
+sampling with the request's recorded options (the seed keys the noise of every position), and published with the engine's transaction; with a drafter, the drafter
 also proposes each round again and its tree is compared with the recorded one. The first difference
 per request is reported (request, round, node, expected and actual token and probability), next to
 the model-free invariant checks.
@@ -16,17 +16,16 @@ import torch
 
 from eyas.drafters import Drafter
 from eyas.errors import RequestError
-from eyas.proposer import DraftSession
+from eyas.proposer import DraftModel, DraftSession
 from eyas.publish import publish
 from eyas.request import RequestState, StopRules, make_sampling
 from eyas.rounds import start
-from eyas.sampling import round_draws
 from eyas.target import TargetModel, TargetSession
 from eyas.trace.compare import Difference, Label, decision_difference, tree_difference
 from eyas.trace.invariants import Violation, check_trace
 from eyas.trace.messages import decode_round
 from eyas.trace.store import Trace, TracedRequest
-from eyas.tree import TreePolicy
+from eyas.tree import TreePolicy, validate_tree
 from eyas.wire import WireError
 
 TOLERANCE = 1e-6  # largest probability difference still called identical; bit-for-bit is reported separately
@@ -118,7 +117,7 @@ def replay_request(
     except RequestError as exc:
         return Divergence(request.key, None, Difference("request", None, "a request record", str(exc)))
     session = TargetSession(target)
-    draft = DraftSession(drafter) if drafter is not None else _Unseeded()
+    draft = DraftSession(DraftModel(drafter, 1, target.max_seq_len)) if drafter is not None else _Unseeded()
     start(state, draft, session)
     for rnd in request.rounds:
 
@@ -140,12 +139,9 @@ def replay_request(
             report.largest_gap = max(report.largest_gap, gap)
             if difference is not None:
                 return diverged(difference)
-        draws = None
-        if not state.sampling.greedy:
-            own = round_draws(state.sampling.seed, state.version, tree.num_rows)
-            draws = torch.cat([torch.tensor(rnd.draws, dtype=torch.float64), own[len(rnd.draws) :]])
         try:
-            verification = session.verify(tree, state.version, state.sampling, draws)
+            validate_tree(tree, vocab_size=target.vocab_size, prefix_len=session.committed)
+            verification = session.verify(tree, state.version, state.sampling)
         except ValueError as exc:
             return diverged(Difference("tree", None, "a tree that fits the committed prefix", str(exc)))
         difference, gap = decision_difference(tree, recorded, verification.decision, tolerance, label)

@@ -7,6 +7,8 @@ import sys
 
 from eyas.trace.store import Trace, read_trace
 
+from .loading import quiet_loading
+
 
 def _read(path: str) -> Trace:
     """A trace, with what could not be read said on stderr."""
@@ -17,18 +19,17 @@ def _read(path: str) -> Trace:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """Re-verify every recorded tree against the target from the committed prefix with the recorded draws (and,
+    """Re-verify every recorded tree against the target from the committed prefix with the recorded seed (and,
     with --redraft, run the drafter again and compare its trees); print "identical" or the first divergence."""
     from eyas import Engine
     from eyas.assets import DEFAULT_DRAFTER, demo_model
-    from eyas.client.cli import _quiet_loading
     from eyas.target import TargetModel
 
     from .replay import replay_trace
     from .trace_text import token_labeler
 
     trace = _read(args.path)
-    _quiet_loading()
+    quiet_loading()
     target_dir = args.target or demo_model("target")
     if args.redraft:
         engine = Engine.from_pretrained(target_dir, args.drafter or demo_model(DEFAULT_DRAFTER))
@@ -92,7 +93,7 @@ def cmd_trace_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_check(args: argparse.Namespace) -> int:
-    """Check every record's invariants without any model: tree structure, accepted path, output, versions, draws."""
+    """Check every record's invariants without any model: tree structure, accepted path, output, versions, sampling."""
     from eyas.trace.invariants import check_trace
 
     trace = _read(args.path)

@@ -1,7 +1,7 @@
 """`eyas trace diff A B`: the first round where two traces differ, and how.
 
 Requests are paired in file order (request ids may differ: a local run and a service run of the same
-prompts compare equal); timings are ignored; tokens, rows and draws must match exactly and
+prompts compare equal); timings are ignored; tokens and rows must match exactly and
 probabilities within `tolerance`.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eyas.assets import demo_model
 from eyas.manifest import tokenizer_digest
 from eyas.trace.compare import Label
 from eyas.trace.format import Round
@@ -26,9 +27,7 @@ def token_labeler(tokenizer=None) -> Label:
 
 def trace_tokenizer(requests: list[TracedRequest], target: str | Path | None):
     """The tokenizer of `target`, else of the bundled demo target when the trace's manifest names its tokenizer."""
-    from transformers import AutoTokenizer
-
-    from eyas.assets import demo_model
+    from transformers import AutoTokenizer  # heavy: loaded only when a tokenizer is needed
 
     if target is not None:
         return AutoTokenizer.from_pretrained(target) if Path(target, "tokenizer_config.json").exists() else None

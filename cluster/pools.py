@@ -14,18 +14,19 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from eyas.actors.config import PoolConfig
 from eyas.actors.proxy import WorkerClient
-from eyas.actors.worker import WorkerInfo, WorkerSpec
-
-from .config import PoolConfig
+from eyas.actors.routing import Member, PoolError
+from eyas.actors.worker import WorkerSpec
 
 log = logging.getLogger("eyas.cluster")
+WAIT_REPORT_S = 10.0  # how often a worker waiting for resources says so
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -35,26 +36,43 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-class PoolError(RuntimeError):
-    """A pool cannot reach its size (no resources, a worker failed to start, or no worker came up in time)."""
+def _resources(amounts: dict[str, float]) -> str:
+    return ", ".join(f"{amount:g} {name}" for name, amount in sorted(amounts.items()))
 
 
-@dataclass(eq=False)
-class Member:
-    """One worker of a pool: its actor, placement group, what it reported at start, and its routing state."""
+def capacity_shortfall(bundle: dict[str, float], count: int) -> str | None:
+    """Why `count` more bundles can never be reserved in this Ray cluster, or None when they may (now or later).
 
-    worker_id: str
-    actor: ray.actor.ActorHandle
-    group: PlacementGroup
-    info: WorkerInfo
-    client: WorkerClient
-    state: str = "ready"  # ready -> retiring -> removed, or ready -> lost
-    load: int = 0
-    started: float = field(default_factory=time.monotonic)
+    A bundle needs one node holding all of it; all bundles together need the cluster's total resources beyond
+    what live placement groups (this service's other workers among them) already hold.
+    """
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
+        return f"no node of the cluster has {_resources(bundle)} (each worker's bundle must fit on one node)"
+    total = {k: sum(node.get(k, 0.0) for node in nodes) for k in bundle}
+    held = dict.fromkeys(bundle, 0.0)
+    holders = []
+    for group in placement_group_table().values():
+        if group["state"] in ("CREATED", "PENDING", "RESCHEDULING"):
+            holders.append(group["name"] or group["placement_group_id"][:8])
+            for reserved in group["bundles"].values():
+                for k in bundle:
+                    held[k] += reserved.get(k, 0.0)
+    short = {k: held[k] + count * v - total[k] for k, v in bundle.items() if held[k] + count * v > total[k]}
+    if not short:
+        return None
+    return (
+        f"{count} more worker(s) of {_resources(bundle)} need {_resources({k: count * v for k, v in bundle.items()})}; "
+        f"the cluster has {_resources(total)} in all, {_resources(held)} held by {', '.join(sorted(holders)) or 'nothing'}: "
+        f"{_resources(short)} missing (add nodes, raise ray.num_cpus, or lower the pool's num_cpus / num_gpus)"
+    )
 
 
 class Pool:
-    """The draft or target pool: spawns, routes to, replaces and retires workers of one actor class."""
+    """The draft or target pool: spawns, routes to, replaces and retires workers of one actor class.
+
+    Implements `eyas.actors.routing.WorkerPool`; the service hands this class to the coordinator as its pool factory.
+    """
 
     def __init__(
         self,
@@ -70,10 +88,12 @@ class Pool:
         self.size = config.replicas
         self._spec = spec
         self._remote = ray.remote(actor_class)
+        self._follower = ray.remote(actor_class.follower) if config.tensor_parallel > 1 else None
         self._ready_timeout = ready_timeout
         self._rpc_timeout = rpc_timeout
         self.manifest_id: str | None = None  # once set, a worker serving another manifest is refused
         self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]
         self._members: list[Member] = []
         self._pending = 0
         self._cond = threading.Condition()
@@ -81,36 +101,80 @@ class Pool:
 
     # -- membership -----------------------------------------------------------------------------
     def _spawn(self) -> Member:
-        """Reserve a bundle, start one worker in it and wait until it serves."""
+        """Reserve a worker's bundles (one per rank), start its ranks in them and wait until rank 0 serves.
+
+        A group's rank 0 opens the rendezvous (on loopback when the group is packed on one node), the other
+        ranks join it while rank 0 loads; a watcher reports the group lost as soon as any follower ends.
+        """
         worker_id = f"{self.name}-{next(self._ids)}"
-        group = placement_group([self.config.bundle()], strategy="STRICT_PACK", name=f"eyas-{worker_id}")
-        ready, _ = ray.wait([group.ready()], timeout=self._ready_timeout)
-        if not ready:
-            remove_placement_group(group)
-            raise PoolError(
-                f"pools.{self.name}: no node could reserve {self.config.bundle()} for {worker_id} within "
-                f"{self._ready_timeout:.0f}s (see `ray status` for the cluster's resources)"
+        bundle = self.config.bundle()
+        name = f"eyas-{worker_id}-{self._tag}"  # unique per pool: several services may share a cluster
+        ranks = self.config.tensor_parallel
+        group = placement_group([bundle] * ranks, strategy=self.config.placement, name=name)
+        began = time.monotonic()
+        deadline = began + self._ready_timeout
+        while not ray.wait([group.ready()], timeout=max(0.0, min(WAIT_REPORT_S, deadline - time.monotonic())))[0]:
+            waited = time.monotonic() - began
+            if waited >= self._ready_timeout:
+                remove_placement_group(group)
+                raise PoolError(
+                    f"pools.{self.name}: no placement for {worker_id}'s {ranks} bundle(s) of {_resources(bundle)} "
+                    f"({self.config.placement}) within "
+                    f"{self._ready_timeout:.0f}s (`ray status --address {ray.get_runtime_context().gcs_address}` "
+                    "shows the cluster's resources)"
+                )
+            free = ray.available_resources()
+            log.info(
+                "pools.%s: %s waits for %s (free now: %s; %.0fs of %.0fs)",
+                self.name, worker_id, _resources(bundle), _resources({k: free.get(k, 0.0) for k in bundle}),
+                waited, self._ready_timeout,
             )
-        actor = self._remote.options(
-            num_cpus=self.config.num_cpus,
-            num_gpus=self.config.num_gpus,
-            resources=self.config.resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-            name=None,
-        ).remote(self._spec)
+        log.info("pools.%s: %s loading its models", self.name, worker_id)
+
+        def place(actor_class, index: int, *args):
+            return actor_class.options(
+                num_cpus=self.config.num_cpus,
+                num_gpus=self.config.num_gpus,
+                resources=self.config.resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                name=None,
+            ).remote(*args)
+
+        actor = place(self._remote, 0, self._spec)
+        followers = tuple(place(self._follower, r, self._spec, r) for r in range(1, ranks))
         try:
+            joined = []
+            if followers:
+                loopback = "127.0.0.1" if self.config.placement == "STRICT_PACK" else None
+                host, port = actor.open_group.remote(loopback).future().result(timeout=self._ready_timeout)
+                joined = [f.start.remote(host, port) for f in followers]
             info = actor.start.remote().future().result(timeout=self._ready_timeout)
             if self.manifest_id is not None and info.manifest_id != self.manifest_id:
                 raise PoolError(f"manifest_id: the worker serves {info.manifest_id}, the service {self.manifest_id}")
+            rank_infos = tuple(r.future().result(timeout=self._ready_timeout) for r in [actor.rank_info.remote(), *joined]) if followers else ()
         except Exception as exc:
-            ray.kill(actor)
+            for handle in (actor, *followers):
+                ray.kill(handle)
             remove_placement_group(group)
             raise PoolError(f"pools.{self.name}: {worker_id} failed to start: {root_cause(exc)}") from exc
         client = WorkerClient(self.name, worker_id, info.address, self._spec.token, self._rpc_timeout)
-        return Member(worker_id, actor, group, info, client)
+        log.info("pools.%s: %s ready at %s (%.1fs)", self.name, worker_id, info.address, time.monotonic() - began)
+        member = Member(worker_id, actor, group, info, client, followers, rank_infos)
+        if followers:
+            follows = [f.follow.remote() for f in followers]
+            threading.Thread(target=self._watch, args=(member, follows), name=f"eyas-watch-{worker_id}", daemon=True).start()
+        return member
+
+    def _watch(self, member: Member, follows: list) -> None:
+        """A follower returns only when its group stops or breaks: then the whole group is lost (a no-op once removed)."""
+        ray.wait(follows, num_returns=1, timeout=None)
+        self.lost(member)
 
     def _add(self, count: int) -> None:
-        """Start `count` workers in parallel and add them once ready."""
+        """Start `count` workers in parallel and add them once ready; refused at once if they can never fit."""
+        short = capacity_shortfall(self.config.bundle(), count * self.config.tensor_parallel)
+        if short:
+            raise PoolError(f"pools.{self.name}: {short}")
         errors: list[Exception] = []
 
         def one() -> None:
@@ -146,7 +210,8 @@ class Pool:
 
     def _remove(self, member: Member) -> None:
         member.client.close()
-        ray.kill(member.actor)
+        for actor in (member.actor, *member.followers):
+            ray.kill(actor)
         remove_placement_group(member.group)
 
     def stop(self) -> None:
@@ -194,11 +259,14 @@ class Pool:
             self._members.remove(member)
             short = 0 if self._closed else self.size - len([m for m in self._members if m.state == "ready"]) - self._pending
         log.warning("pools.%s: worker %s at %s lost; replacing it", self.name, member.worker_id, member.info.address)
-        self._remove(member)
-        if short > 0:
-            threading.Thread(target=self._replace, args=(short,), name=f"eyas-replace-{self.name}", daemon=True).start()
+        member.client.close()  # new calls fail over at once; calls in flight on the channel finish first
+        threading.Thread(target=self._replace, args=(member, short), name=f"eyas-replace-{self.name}", daemon=True).start()
 
-    def _replace(self, count: int) -> None:
+    def _replace(self, member: Member, count: int) -> None:
+        """Off the request's path: remove the lost worker, then start `count` replacements."""
+        self._remove(member)
+        if count <= 0:
+            return
         try:
             self._add(count)
         except Exception:

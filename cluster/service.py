@@ -6,29 +6,54 @@ reachable from here. With an embedded Ray instance, stopping the service also st
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import ray
+import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from eyas.actors.config import ServiceConfig
 from eyas.actors.coordinator import Coordinator
 
-from .config import ServiceConfig
-from .pools import root_cause
+from .pools import Pool, root_cause
 
 DEFAULT_PORT = 50051
+PROGRESS_POLL_S = 0.5  # how often a starting service's progress lines are fetched
+
+
+class _DropTokenAuthNotice(logging.Filter):
+    """Ray says on every start that it enabled token authentication; eyas says where its Ray is instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_DropTokenAuthNotice())
+
+
+class ServiceLost(RuntimeError):
+    """The coordinator died: nothing serves any more, so `eyas serve` exits (a supervisor restarts it)."""
 
 
 class Service:
     """A running eyas service; use as a context manager or call `start` / `stop`.
 
-    With `trace` (a file path), every request's rounds are appended to that trace.
+    With `trace` (a file path), every request's rounds are appended to that trace. `on_progress` receives
+    one line per step of bringing it up (Ray, each worker waiting, loading, ready) and, through `report`, later.
     """
 
-    def __init__(self, config: ServiceConfig, address: str | None = None, port: int = DEFAULT_PORT, trace: str | None = None):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        address: str | None = None,
+        port: int = DEFAULT_PORT,
+        trace: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ):
         self.config = config
         self.ray_address = address
         self.port = port
@@ -36,12 +61,17 @@ class Service:
         self.address = ""
         self.coordinator: ray.actor.ActorHandle | None = None
         self._owns_ray = False
+        self._on_progress = on_progress
+        self._reported = 0
 
     def start(self) -> "Service":
         """Start (or join) Ray, then the coordinator and both pools; returns once the front door serves."""
         self.config.models()  # a missing model directory is reported before anything starts
+        self.config.check_target_split()  # so is a target group that cannot split the target evenly
         if not ray.is_initialized():
             embedded = self.ray_address is None
+            if embedded:  # this machine is the whole cluster: a group must fit its devices
+                self.config.target_pool.check_fits("target", torch.cuda.device_count(), self.config.ray_num_cpus)
             ray.init(
                 address=self.ray_address,
                 num_cpus=self.config.ray_num_cpus if embedded else None,
@@ -50,14 +80,21 @@ class Service:
                 logging_level="warning",
             )
             self._owns_ray = True
-        here = ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        where = "an embedded Ray instance" if self._owns_ray and self.ray_address is None else "the Ray cluster"
+        self._say(f"ray: {where} at {context.gcs_address} ({ray.cluster_resources().get('CPU', 0):g} CPUs)")
+        here = context.get_node_id()
         self.coordinator = (
             ray.remote(Coordinator)
             .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
-            .remote(self.config, self.trace)
+            .remote(self.config, Pool, self.trace)
         )
         try:
-            self.address = ray.get(self.coordinator.start.remote(self.port))
+            started = self.coordinator.start.remote(self.port)
+            while not ray.wait([started], timeout=PROGRESS_POLL_S)[0]:
+                self.report()
+            self.report()
+            self.address = ray.get(started)
         except BaseException as exc:
             self.stop()
             cause = root_cause(exc)
@@ -65,6 +102,17 @@ class Service:
                 raise
             raise cause from None
         return self
+
+    def _say(self, line: str) -> None:
+        if self._on_progress is not None:
+            self._on_progress(line)
+
+    def report(self) -> None:
+        """Hand the service's progress lines since the last report to `on_progress`."""
+        if self._on_progress is not None and self.coordinator is not None:
+            self._reported, lines = ray.get(self.coordinator.events.remote(self._reported))
+            for line in lines:
+                self._on_progress(line)
 
     def stop(self) -> None:
         """Stop the coordinator (which removes every worker), then Ray if this service started it."""
@@ -87,12 +135,39 @@ class Service:
 
 
 def serve(
-    config: ServiceConfig, address: str | None, port: int, on_ready: Callable[[str], None], trace: str | None = None
+    config: ServiceConfig,
+    address: str | None,
+    port: int,
+    on_ready: Callable[[str], None],
+    trace: str | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> None:
-    """Run a service until SIGINT or SIGTERM; `on_ready` gets the front door's address once every pool is ready."""
+    """Run a service until SIGINT or SIGTERM; `on_ready` gets the front door's address once every pool is ready,
+    `on_progress` every progress line (bring-up, then workers lost, replaced or added by scaling)."""
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-    with Service(config, address, port, trace) as service:
+
+    def stop_on_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopping.set())
+
+    stop_on_signals()
+    with Service(config, address, port, trace, on_progress) as service:
+        stop_on_signals()  # ray.init replaced the SIGTERM handler with one that exits mid-call
         on_ready(service.address)
-        stopping.wait()
+        lost: list[BaseException] = []
+
+        def watch() -> None:
+            try:
+                ray.get(service.coordinator.wait_stopped.remote())
+            except Exception as exc:  # the coordinator died (or Ray went away): no front door is left
+                lost.append(exc)
+            stopping.set()
+
+        threading.Thread(target=watch, name="eyas-watch-coordinator", daemon=True).start()
+        while not stopping.wait(PROGRESS_POLL_S):
+            try:
+                service.report()
+            except ray.exceptions.RayError:
+                stopping.wait()  # the coordinator is gone: the watcher says why
+        if lost:
+            raise ServiceLost(f"the coordinator died ({type(root_cause(lost[0])).__name__}); nothing serves at {service.address} any more")

@@ -1,4 +1,4 @@
-"""Hardware-aware trees (`tree: auto`): choose top_k, depth and budget for the most tokens per second.
+"""Hardware-aware trees (`tree: auto`): choose width, depth and budget for the most tokens per second.
 
 At start the tuner measures this machine's costs: target verification time by number of rows and
 drafter step time by number of rows. It then drafts a few rounds with a wide exploration tree.
@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import Drafter, KVCache
+from .proposer import DraftModel
 from .rounds import RoundRecord
+from .runtime.batch import RowsCall
 from .target import TargetModel
 from .tree import DraftTree, TreePolicy
 
-EXPLORE = TreePolicy(top_k=8, depth=8, budget=64)
-EXPLORE_CHAIN = TreePolicy(top_k=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
+EXPLORE = TreePolicy(width=8, depth=8, budget=64)
+EXPLORE_CHAIN = TreePolicy(width=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65)
@@ -64,9 +65,9 @@ class Costs:
     overhead_per_round: float = 0.0
 
     def model_seconds(self, policy: TreePolicy, seed_rows: float) -> float:
-        """Drafter steps (seed rows, then one step of top_k rows per further depth) plus one verification."""
+        """Drafter steps (seed rows, then one step of width rows per further depth) plus one verification."""
         draft = _interpolate(self.draft_rows, self.draft_seconds, seed_rows) if policy.depth else 0.0
-        draft += max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, policy.top_k)
+        draft += max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, policy.width)
         return draft + _interpolate(self.verify_rows, self.verify_seconds, policy.budget + 1)
 
     def round_seconds(self, policy: TreePolicy, seed_rows: float) -> float:
@@ -75,12 +76,11 @@ class Costs:
 
 
 @torch.no_grad()
-def measure_costs(target: TargetModel, drafter: Drafter, prefix_len: int = 192, repeats: int = 3) -> Costs:
-    """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix."""
-    from transformers import DynamicCache
-
+def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192, repeats: int = 3) -> Costs:
+    """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix (one borrowed slot each)."""
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, target.vocab_size, (prefix_len,), generator=generator)
+    causal = torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril()
 
     def best_of(run) -> float:
         times = []
@@ -90,35 +90,25 @@ def measure_costs(target: TargetModel, drafter: Drafter, prefix_len: int = 192, 
             times.append(time.perf_counter() - start)
         return min(times)
 
-    cache = DynamicCache()
-    target.forward(prefix, torch.arange(prefix_len), torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril(), cache, False)
-    verify = []
-    for rows in VERIFY_ROWS:
-        tokens = prefix[:rows]
-        positions = torch.arange(prefix_len, prefix_len + rows)
-        mask = torch.ones(rows, rows, dtype=torch.bool).tril()
-
-        def run() -> None:
-            target.forward(tokens, positions, mask, cache)
-            cache.crop(-rows)
-
-        verify.append(best_of(run))
-
-    kv = KVCache()
-    state = torch.zeros(1, prefix_len, drafter.hidden_size, dtype=drafter.dtype)
-    seed_mask = torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril()[None, None]
-    drafter.step(state, prefix[None], torch.arange(prefix_len)[None], kv, seed_mask)
-    draft = []
-    for rows in DRAFT_ROWS:
-        mask = torch.ones(1, 1, rows, prefix_len + rows, dtype=torch.bool)
-
-        def run() -> None:
-            out = drafter.step(state[:, :rows], prefix[None, :rows], torch.arange(prefix_len, prefix_len + rows)[None], kv, mask)
-            drafter.top_candidates(out[0], 8)
-            kv.truncate(prefix_len)
-
-        draft.append(best_of(run))
-    return Costs(list(VERIFY_ROWS), verify, list(DRAFT_ROWS), draft)
+    target_slot = target.pool.acquire(prefix_len + VERIFY_ROWS[-1], wait=True)
+    draft_slot = draft.pool.acquire(prefix_len + DRAFT_ROWS[-1], wait=True)
+    try:
+        target.run([target.call(target_slot, 0, prefix, torch.arange(prefix_len), causal, with_logits=False)])
+        verify = []
+        for rows in VERIFY_ROWS:
+            call = target.call(target_slot, prefix_len, prefix[:rows], torch.arange(prefix_len, prefix_len + rows), causal[:rows, :rows])
+            verify.append(best_of(lambda: target.run([call])))
+        state = torch.zeros(prefix_len, draft.drafter.hidden_size, dtype=draft.drafter.dtype)
+        draft.run([RowsCall(draft_slot, 0, prefix, torch.arange(prefix_len), causal, state)])
+        steps = []
+        for rows in DRAFT_ROWS:
+            visible = torch.ones(rows, prefix_len + rows, dtype=torch.bool)
+            call = RowsCall(draft_slot, prefix_len, prefix[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows])
+            steps.append(best_of(lambda: draft.drafter.top_candidates(draft.run([call])[0], 8)))
+    finally:
+        target.pool.release(target_slot)
+        draft.pool.release(draft_slot)
+    return Costs(list(VERIFY_ROWS), verify, list(DRAFT_ROWS), steps)
 
 
 def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
@@ -133,8 +123,8 @@ def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePol
         kids.sort(key=lambda n: -tree.confidences[n])  # the drafter's own top-k order
     frontier, recorded = [0], []
     for _ in range(policy.depth):
-        expanded = tree.ranked(frontier)[: policy.top_k]
-        frontier = [c for n in expanded for c in children.get(n, [])[: policy.top_k]]
+        expanded = tree.ranked(frontier)[: policy.width]
+        frontier = [c for n in expanded for c in children.get(n, [])[: policy.width]]
         recorded += frontier
     selected = tree.ranked(recorded)[: policy.budget]
     on_path: dict[int, float] = {0: 1.0}
@@ -209,7 +199,7 @@ class TreeTuner:
 
     def rounds_for(self, policy: TreePolicy) -> deque:
         """Explored rounds that measure `policy`: the chain rounds for a chain, the wide-tree rounds otherwise."""
-        return (self.explored_chains if policy.top_k == 1 else self.explored) or self.explored or self.explored_chains
+        return (self.explored_chains if policy.width == 1 else self.explored) or self.explored or self.explored_chains
 
     def per_round(self, policy: TreePolicy) -> list[float]:
         """Expected tokens of each explored round of its kind, had `policy` drafted it."""

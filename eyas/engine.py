@@ -6,8 +6,10 @@ It is the reference path the distributed service is tested against.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,11 +20,14 @@ from .drafters import Drafter, load_drafter
 from .errors import RequestError
 from .manifest import Manifest
 from .pairing import plan_drafter, target_num_layers
-from .proposer import DraftSession
-from .request import RequestState, StopRules, make_sampling
+from .plain import PLAIN_POLICY, NoDraft
+from .proposer import DraftModel, DraftSession
+from .request import RequestState, StopRules, eos_token_ids, make_sampling, tokenize_prompt
 from .rounds import RoundRecord, run_round, start
+from .runtime.device import resolve_device, resolve_dtype, stored_dtype
+from .runtime.kv import TREE_HEADROOM
 from .stats import GenerationStats
-from .target import TargetModel, TargetSession
+from .target import DEFAULT_KV_SLOTS, TargetModel, TargetSession
 from .trace.record import RequestRecorder
 from .trace.store import TraceWriter
 from .tree import TreeError, TreePolicy
@@ -39,42 +44,21 @@ class Generation:
     prompt_ids: list[int] = field(default_factory=list)
 
 
-def tokenize_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int) -> list[int]:
-    """A prompt string (through `tokenizer`) or a list of token ids, checked against the vocabulary.
-
-    Shared by the engine and the service's coordinator, which holds the tokenizer but no model.
-    """
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise RequestError("prompt", "the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return ids
-
-
-def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids from a generation config, else from the tokenizer; empty when neither names one."""
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
-
-
 def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
-    """"auto" (hardware-aware, see eyas.autotree) or a fixed policy from a mapping; None is the default policy."""
+    """"auto" (hardware-aware, see eyas.autotree) or a fixed policy from a mapping; None is the default policy.
+
+    A fixed policy must fit the scratch rows a KV slot keeps past a request's tokens.
+    """
     if isinstance(tree, str):
         if tree != "auto":
-            raise TreeError("tree", f'a tree setting is "auto" or a mapping of top_k, depth, budget, got {tree!r}')
+            raise TreeError("tree", f'a tree setting is "auto" or a mapping of width, depth, budget, got {tree!r}')
         return tree
-    return TreePolicy.from_dict(tree)
+    policy = TreePolicy.from_dict(tree)
+    if policy.budget + 1 > TREE_HEADROOM:
+        raise TreeError("budget", f"{policy.budget} candidate rows exceed the {TREE_HEADROOM - 1} a KV slot keeps for a tree")
+    if policy.width * max(policy.depth - 1, 0) > TREE_HEADROOM:
+        raise TreeError("depth", f"width x (depth - 1) = {policy.width * (policy.depth - 1)} drafter rows exceed {TREE_HEADROOM}")
+    return policy
 
 
 class Engine:
@@ -84,21 +68,41 @@ class Engine:
     """
 
     def __init__(
-        self, target: TargetModel, drafter: Drafter, manifest: Manifest, tree: TreePolicy | dict | str | None = "auto"
+        self,
+        target: TargetModel,
+        drafter: Drafter,
+        manifest: Manifest,
+        tree: TreePolicy | dict | str | None = "auto",
+        draft_ahead: int = 0,
     ):
+        """`draft_ahead`: trees drafted ahead, during each verification, for its likeliest outcomes (0: off)."""
         self.target = target
+        self.draft_ahead = draft_ahead
         self.drafter = drafter
         self.manifest = manifest
         self.tree = tree_setting(tree)
         self._ids = itertools.count()
         self._tuner: TreeTuner | None = None
+        self._tuner_lock = threading.Lock()
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.draft.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        """Serve with another drafter (same target): its draft KV pool is sized like the target's."""
+        self.draft = DraftModel(
+            drafter, self.target.pool.slots, self.target.max_seq_len, self.target.batcher.rendezvous, self.draft_ahead
+        )
 
     @property
     def tuner(self) -> TreeTuner:
         """The `tree: auto` tuner; the machine's costs are measured on first use."""
-        if self._tuner is None:
-            self._tuner = TreeTuner(measure_costs(self.target, self.drafter))
-        return self._tuner
+        with self._tuner_lock:
+            if self._tuner is None:
+                self._tuner = TreeTuner(measure_costs(self.target, self.draft))
+            return self._tuner
 
     @classmethod
     def from_pretrained(
@@ -108,14 +112,33 @@ class Engine:
         tree: TreePolicy | dict | str | None = "auto",
         feature_layers: tuple[int, ...] | None = None,
         allow_manifest_mismatch: bool = False,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device | None = None,
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        max_seq_len: int | None = None,
+        draft_ahead: int = 0,
     ) -> "Engine":
-        """Load a target directory and a drafter directory, checking the drafter's manifest against the target."""
+        """Load a target directory and a drafter directory onto `device` (cpu, cuda, cuda:N), checking the manifest.
+
+        dtype None: float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16 (see resolve_dtype). The KV pool holds `kv_slots` requests of up to
+        `max_seq_len` tokens (default: the target's maximum positions).
+        """
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device, stored_dtype(target))
         plan = plan_drafter(drafter, target_num_layers(target), feature_layers)
-        target_model = TargetModel.from_pretrained(target, plan.address, dtype=dtype)
+        target_model = TargetModel.from_pretrained(target, plan.address, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len)
         manifest = plan.manifest(target_model.fingerprint, allow_manifest_mismatch)
         drafter_model, _ = load_drafter(drafter, target_model.embed, target_model.lm_head)
-        return cls(target_model, drafter_model.to(dtype), manifest, tree)
+        return cls(target_model, drafter_model.to(device=device, dtype=dtype), manifest, tree, draft_ahead)
+
+    def sessions(self, request: RequestState, wait: bool = False) -> tuple[TargetSession, DraftSession]:
+        """A target and a draft session for `request`, each holding a KV slot (waiting for one when `wait`)."""
+        target = TargetSession(self.target, wait=wait)
+        try:
+            return target, DraftSession(self.draft, wait=wait)
+        except BaseException:
+            target.close()
+            raise
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt string (through the target's tokenizer) or a list of token ids, checked against the vocabulary."""
@@ -123,7 +146,7 @@ class Engine:
 
     def eos_token_ids(self) -> frozenset[int]:
         """The target's end-of-sequence ids from its generation config (or tokenizer)."""
-        return eos_token_ids(getattr(self.target.model, "generation_config", None), self.target.tokenizer)
+        return eos_token_ids(self.target.generation_config, self.target.tokenizer)
 
     def new_request(
         self,
@@ -141,9 +164,15 @@ class Engine:
         sampling = make_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         rules = StopRules(max_new_tokens, self.eos_token_ids() if stop_at_eos else frozenset(), tuple(stop))
         decode = self.target.tokenizer.decode if self.target.tokenizer is not None else None
-        return RequestState(
-            request_id or f"req-{next(self._ids)}", self.tokenize(prompt), sampling, rules, decode=decode
-        )
+        prompt_ids = self.tokenize(prompt)
+        capacity = self.target.max_seq_len
+        if len(prompt_ids) + max_new_tokens > capacity:
+            raise RequestError(
+                "max_new_tokens",
+                f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds the KV capacity of "
+                f"{capacity} positions per request",
+            )
+        return RequestState(request_id or f"req-{next(self._ids)}", prompt_ids, sampling, rules, decode=decode)
 
     def generate(
         self,
@@ -158,29 +187,86 @@ class Engine:
         tree: TreePolicy | dict | str | None = None,
         on_round: Callable[[RoundRecord], None] | None = None,
         trace: str | Path | TraceWriter | None = None,
+        speculate: bool = True,
     ) -> Generation:
         """Generate up to `max_new_tokens` tokens; greedy when temperature is 0, else exact sampling.
 
-        `trace` (a file path or an open writer) appends this request's rounds to a trace.
+        `speculate=False` decodes plainly, one target forward per token without the drafter; the output is
+        the same (a seed fixes the sampled text). `trace` (a file path or an open writer) appends this
+        request's rounds to a trace.
         """
         request = self.new_request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stop_at_eos)
-        setting = tree_setting(tree) if tree is not None else self.tree
-        auto = setting == "auto"
-        policy = self.tuner.policy() if auto else setting
-        target, draft = TargetSession(self.target), DraftSession(self.drafter)
         writer = TraceWriter(trace) if isinstance(trace, (str, Path)) else trace
+        try:
+            return self._run(request, tree, on_round, writer, speculate=speculate)
+        finally:
+            if writer is not trace:
+                writer.close()
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int | Sequence[int] = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | Sequence[int] = 0,
+        stop: Sequence[str] = (),
+        stop_at_eos: bool = True,
+        tree: TreePolicy | dict | str | None = None,
+    ) -> list[Generation]:
+        """Generate for every prompt at once: each phase of every round runs as one batched forward.
+
+        `max_new_tokens` and `seed` may be given per request. A request's output does not depend on
+        its batch-mates. Requests beyond the KV pool's slots wait for a free slot.
+        """
+        count = len(prompts)
+        limits = [max_new_tokens] * count if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        seeds = [seed] * count if isinstance(seed, int) else list(seed)
+        if len(limits) != count or len(seeds) != count:
+            raise RequestError("prompts", f"{count} prompts need as many max_new_tokens and seeds")
+        requests = [
+            self.new_request(p, m, temperature, top_p, top_k, s, stop, stop_at_eos)
+            for p, m, s in zip(prompts, limits, seeds)
+        ]
+        if not requests:
+            return []
+        with ThreadPoolExecutor(len(requests), thread_name_prefix="eyas-batch") as pool:
+            return list(pool.map(lambda r: self._run(r, tree, None, None, batched=True), requests))
+
+    def _run(
+        self,
+        request: RequestState,
+        tree: TreePolicy | dict | str | None,
+        on_round: Callable[[RoundRecord], None] | None,
+        writer: TraceWriter | None,
+        batched: bool = False,
+        speculate: bool = True,
+    ) -> Generation:
+        """Run one request to its end; `batched` requests step in lockstep with the others of their batch."""
+        setting = tree_setting(tree) if tree is not None else self.tree
+        auto = speculate and setting == "auto"
+        policy = PLAIN_POLICY if not speculate else self._policy() if auto else setting
         recorder = None
         if writer is not None:
             recorder = RequestRecorder(writer.write, request, policy, self.manifest.id, self.manifest.to_dict(), "local")
         stats = GenerationStats()
+        if speculate:
+            target, draft = self.sessions(request, wait=batched)
+        else:
+            target, draft = TargetSession(self.target, wait=batched), NoDraft()
+        rendezvous = self.target.batcher.rendezvous
+        if batched:
+            rendezvous.join()
         try:
             started = time.perf_counter()
             start(request, draft, target)
             stats.add_prefill(time.perf_counter() - started)
             while not request.done:
-                record = run_round(request, draft, target, self.tuner.policy() if auto else policy)
+                record = run_round(request, draft, target, self._policy() if auto else policy)
                 if auto:
-                    self.tuner.observe(record)
+                    with self._tuner_lock:
+                        self._tuner.observe(record)
                 stats.add_round(record)
                 if recorder is not None:
                     recorder.local_round(record)
@@ -189,7 +275,14 @@ class Engine:
             if recorder is not None:
                 recorder.end(request)
         finally:
-            if writer is not trace:
-                writer.close()
+            if batched:
+                rendezvous.leave()
+            target.close()
+            draft.close()
         text = self.target.tokenizer.decode(request.output) if self.target.tokenizer is not None else None
         return Generation(request.output, text, request.finish_reason, stats, request.prompt_ids)
+
+    def _policy(self) -> TreePolicy:
+        tuner = self.tuner
+        with self._tuner_lock:
+            return tuner.policy()

@@ -1,4 +1,4 @@
-"""The immutable feature-drafting manifest (design reference 0x01A).
+"""The immutable feature-drafting manifest (docs/manifest.md).
 
 A drafter is portable only to the target whose fingerprint (config + weights + tokenizer) and
 feature address it was trained on. The manifest carries both, plus dtype policy and ABI versions;

@@ -59,7 +59,7 @@ def plan_drafter(drafter_dir: str | Path, num_target_layers: int, layers: tuple[
     if not (drafter_dir / "config.json").exists():
         raise FileNotFoundError(f"{drafter_dir} is not a drafter directory (no config.json)")
     config = json.loads((drafter_dir / "config.json").read_text())
-    kind = detect_kind(config, _weight_keys(drafter_dir))
+    kind = detect_kind(config, _weight_keys(drafter_dir), drafter_dir)
     stored = Manifest.load(drafter_dir)
     if layers is not None:
         address = FeatureAddress("layer_inputs", tuple(layers)) if kind == "eagle3" else FeatureAddress.eagle1()

@@ -8,36 +8,74 @@ committed draft length always equals the target's committed prefix.
 
 from __future__ import annotations
 
+import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter, KVCache
+from .drafters import Drafter
 from .errors import VersionError
-from .tree import DraftTree, FlattenedTree, TreeError, TreePolicy, flatten
+from .rounds import Proposal
+from .runtime.batch import Batcher, Rendezvous, RowsCall, pack, split_rows
+from .runtime.device import attention_dtype
+from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
+from .tree import DraftTree, TreeError, TreePolicy, flatten
+
+MAX_BATCH_ROWS = 4096  # drafter rows one batched forward takes; calls past it wait for the next
+
+
+class DraftModel:
+    """A drafter on one device with the KV pool its sessions share; `run` expands rows of many sessions at once."""
+
+    def __init__(
+        self, drafter: Drafter, kv_slots: int, max_seq_len: int, rendezvous: Rendezvous | None = None, ahead_trees: int = 0
+    ):
+        """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified."""
+        if type(ahead_trees) is not int or ahead_trees < 0:
+            raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
+        self.drafter = drafter
+        self.ahead_trees = ahead_trees
+        self.background = ThreadPoolExecutor(max(1, kv_slots), thread_name_prefix="eyas-ahead")
+        attn = drafter.attention
+        slot_len = max_seq_len + TREE_HEADROOM
+        kv_dtype = attention_dtype(drafter.dtype, drafter.device)
+        self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
+        self.batcher: Batcher[RowsCall, torch.Tensor] = Batcher(
+            self.run, rendezvous or Rendezvous(), rows=lambda call: int(call.tokens.shape[0]), max_rows=MAX_BATCH_ROWS
+        )
+
+    @torch.no_grad()
+    def run(self, calls: list[RowsCall]) -> list[torch.Tensor]:
+        """One drafter pass over every call's rows -> each call's next states [N, d]."""
+        packed = pack(calls, self.pool)
+        out = self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)  # [B, N, d]
+        return split_rows(packed.rows(out), packed.lengths)
 
 
 @dataclass
-class Proposal:
-    """A proposed tree and what it cost: nodes expanded (drafter rows run), nodes recorded, temporary KV bytes,
-    and the seconds spent on tree bookkeeping (recording, reranking, flattening) outside drafter forwards."""
+class Grown:
+    """A grown tree's proposal with the drafter states and draft-KV rows of its nodes (what drafting ahead extends)."""
 
-    tree: FlattenedTree
-    nodes_expanded: int
-    nodes_recorded: int
-    draft_kv_bytes: int
-    tree_seconds: float = 0.0
-    draft_tree: DraftTree | None = None  # every recorded node, for tree tuning (not sent on the wire)
-    row_nodes: list[int] | None = None  # draft-tree node of each flattened row
+    proposal: Proposal
+    states: dict[int, torch.Tensor]
+    path_rows: dict[int, list[int]]
+    end: int  # the session's written rows once it was grown
 
 
 class DraftSession:
-    """One request's drafter state: committed draft KV, pending seed rows, and the root's draft state."""
+    """One request's drafter state: a slot of draft KV, pending seed rows, and the root's draft state.
 
-    def __init__(self, drafter: Drafter):
-        self.drafter = drafter
-        self.kv = KVCache()
+    Slot positions [0, committed) hold verified rows; a round's tree rows are written after them
+    (`written` marks the end) and are dropped by resetting `written` to `committed`.
+    """
+
+    def __init__(self, model: DraftModel, wait: bool = False):
+        self.model = model
+        self.drafter = model.drafter
+        self.slot = model.pool.acquire(model.pool.slot_len, wait=wait)
+        self.written = 0
         self.committed = 0
         self.version = 0
         self.pending_state: torch.Tensor | None = None  # [m, d] drafter inputs of verified rows not yet run
@@ -45,6 +83,25 @@ class DraftSession:
         self.root_state: torch.Tensor | None = None  # [d] drafter output at the last committed row
         self.root_token: int | None = None
         self.last_reseed: tuple[int, tuple[int, ...]] | None = None
+        self.ahead: dict[tuple, Grown] = {}  # (version, accepted tokens, bonus, policy) -> tree drafted ahead
+        self.ahead_built = 0
+        self.ahead_hits = 0
+        self._ahead_job: Future | None = None
+
+    def __del__(self) -> None:
+        self.close()  # a session dropped without close() still returns its slot
+
+    def close(self) -> None:
+        """Return the slot to the pool; the session is unusable afterwards."""
+        if getattr(self, "_ahead_job", None) is not None:
+            self._settle_ahead()
+        if getattr(self, "slot", None) is not None:
+            self.model.pool.release(self.slot)
+            self.slot = None
+
+    def kv_bytes(self) -> int:
+        """Bytes of draft KV held: every written row of the slot."""
+        return self.model.pool.row_bytes * self.written
 
     @property
     def length(self) -> int:
@@ -56,7 +113,7 @@ class DraftSession:
         """Drop tree rows; queue verified rows: features f_t [m, F] with the tokens x_{t+1} [m] that follow them."""
         if features.shape[0] != len(tokens):
             raise ValueError(f"features: {features.shape[0]} rows for {len(tokens)} tokens")
-        self.kv.truncate(self.committed)
+        self.written = self.committed
         if not tokens:
             return
         state = self.drafter.seed_hidden(features.to(self.drafter.dtype))  # [m, d]
@@ -65,7 +122,7 @@ class DraftSession:
 
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         """Seed an empty session from a prefill of the committed tokens, at the request's `version`."""
-        if self.length or self.kv.keys is not None:
+        if self.length or self.written:
             raise RuntimeError("start runs once, on an empty draft session")
         self._queue(features, tokens)
         self.version = version
@@ -75,6 +132,7 @@ class DraftSession:
 
         Idempotent per version: a retried reseed of the version just applied is a no-op.
         """
+        self._settle_ahead()
         if self.last_reseed == (version, tuple(tokens)) and self.version == version + 1:
             return
         if version != self.version:
@@ -85,20 +143,14 @@ class DraftSession:
 
     def _run_pending(self) -> None:
         """Run the queued verified rows causally on top of the committed draft KV; they become committed."""
+        self.written = self.committed
         if self.pending_state is None:
-            self.kv.truncate(self.committed)
             return
         m = len(self.pending_tokens)
+        visible = torch.ones(m, self.committed + m, dtype=torch.bool)
+        visible[:, self.committed :] = torch.ones(m, m, dtype=torch.bool).tril()
         positions = torch.arange(self.committed, self.committed + m)
-        mask = torch.ones(m, self.committed + m, dtype=torch.bool)
-        mask[:, self.committed :] = torch.ones(m, m, dtype=torch.bool).tril()
-        out = self.drafter.step(
-            self.pending_state[None],
-            torch.tensor(self.pending_tokens)[None],
-            positions[None],
-            self.kv,
-            mask[None, None],
-        )[0]  # [m, d]
+        out = self._run(RowsCall(self.slot, self.committed, torch.tensor(self.pending_tokens), positions, visible, self.pending_state))
         self.committed += m
         self.root_state = out[-1]
         self.root_token = self.pending_tokens[-1]
@@ -107,30 +159,49 @@ class DraftSession:
 
     @torch.no_grad()
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
-        """Build the EAGLE-2 tree rooted at the append-required token and flatten it for verification."""
+        """Build the EAGLE-2 tree rooted at the append-required token and flatten it for verification.
+
+        A tree drafted ahead for exactly the outcome the last reseed published is returned at once.
+        """
+        self._settle_ahead()
         if version != self.version:
             raise VersionError("draft cache", self.version, version)
         seeded_root = self.pending_tokens[-1] if self.pending_tokens else self.root_token
         if seeded_root is not None and root_token != seeded_root:
             raise TreeError("root_token", f"{root_token} is not the last seeded token {seeded_root}")
-        self._run_pending()
-        prefix_len = self.committed
-        tree = DraftTree(root_token)
-        if self.root_state is None or policy.depth == 0 or policy.budget == 0:
-            return Proposal(flatten(tree, [], prefix_len), 0, 1, 0, 0.0, tree, [0])
+        ahead, self.ahead = self.ahead, {}
+        hit = None
+        if self.last_reseed is not None and self.last_reseed[0] == version - 1:
+            hit = ahead.get((version, self.last_reseed[1][:-1], root_token, policy))
+        if hit is not None:  # its rows (and the path rows it sees) stay until the next reseed
+            self.ahead_hits += 1
+            self.written = hit.end
+            grown = hit
+        else:
+            self._run_pending()
+            grown = self._grow(root_token, self.root_state, [], self.committed, policy)
+        if self.model.ahead_trees and grown.proposal.nodes_expanded:
+            self._ahead_job = self.model.background.submit(self._draft_ahead, version + 1, grown, policy)
+        return grown.proposal
 
-        states = {0: self.root_state}  # node -> drafter output predicting its children
-        path_rows: dict[int, list[int]] = {0: []}  # expanded node -> provisional draft-KV rows of its path
+    def _grow(self, root_token: int, root_state: torch.Tensor | None, base_rows: list[int], prefix_len: int, policy: TreePolicy) -> "Grown":
+        """Expand a tree from `root_state` whose nodes also see the draft rows `base_rows`, for a target prefix of
+        `prefix_len` rows; the expansion rows are scratch after `written`."""
+        tree = DraftTree(root_token)
+        states = {0: root_state}  # node -> drafter output predicting its children
+        path_rows: dict[int, list[int]] = {0: list(base_rows)}  # expanded node -> draft-KV rows of its path
+        if root_state is None or policy.depth == 0 or policy.budget == 0:
+            return Grown(Proposal(flatten(tree, [], prefix_len), 0, 1, 0, 0.0, tree, [0]), states, path_rows, self.written)
         expanded_count = 0
         expanded = [0]
         tree_seconds = 0.0
         for depth in range(policy.depth):
             if depth > 0:
-                expanded = tree.expandable(policy.top_k)
+                expanded = tree.expandable(policy.width)
                 out = self._expand(tree, expanded, states, path_rows, prefix_len)  # [Q, d]
                 expanded_count += len(expanded)
                 states.update(zip(expanded, out))
-            tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in expanded]), policy.top_k)
+            tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in expanded]), policy.width)
             start = time.perf_counter()
             parents = torch.tensor(expanded).repeat_interleave(tokens.shape[1])
             tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten())
@@ -139,7 +210,80 @@ class DraftSession:
         selected = tree.select(policy.budget)
         flat = flatten(tree, selected, prefix_len)
         tree_seconds += time.perf_counter() - start
-        return Proposal(flat, expanded_count, len(tree), self.kv.nbytes(expanded_count), tree_seconds, tree, [0, *selected])
+        draft_kv_bytes = self.model.pool.row_bytes * expanded_count
+        proposal = Proposal(flat, expanded_count, len(tree), draft_kv_bytes, tree_seconds, tree, [0, *selected])
+        return Grown(proposal, states, path_rows, self.written)
+
+    @torch.no_grad()
+    def _draft_ahead(self, version: int, grown: "Grown", policy: TreePolicy) -> None:
+        """While the tree of `version - 1` is verified: pre-build the `version` trees of its likeliest outcomes.
+
+        An outcome is an accepted path (root to a verified node n) and the bonus token b after it, b not one of
+        n's verified children; its weight under the drafter is the path's confidence times q(b | n). A
+        pre-built tree conditions on the drafter's own states along the path (as deeper tree levels do) and
+        roots at b; the verified features reseed the drafter as usual afterwards.
+        """
+        rendezvous = self.model.batcher.rendezvous
+        rendezvous.join()
+        try:
+            proposal, states, path_rows = grown.proposal, grown.states, grown.path_rows
+            tree, nodes, prefix_len = proposal.draft_tree, proposal.row_nodes, proposal.tree.prefix_len
+            leaves = [n for n in nodes if n not in states]
+            if leaves:
+                states.update(zip(leaves, self._expand(tree, leaves, states, path_rows, prefix_len)))
+            # enough candidates per node that `ahead_trees` remain besides its verified children
+            width = policy.width + self.model.ahead_trees
+            tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in nodes]), width)
+            verified = {n: set() for n in nodes}
+            for n in nodes[1:]:
+                verified[tree.parents[n]].add(tree.tokens[n])
+            outcomes = []
+            for n, row_tokens, row_probs in zip(nodes, tokens.tolist(), probs.tolist()):
+                reach = math.exp(tree.log_values[n])
+                outcomes += [(reach * q, n, b) for b, q in zip(row_tokens, row_probs) if b not in verified[n]]
+            outcomes = sorted(outcomes, key=lambda o: -o[0])[: self.model.ahead_trees]
+            if not outcomes:
+                return
+            # the bonus rows: each bonus b as a child of its node n, one drafter step for all of them
+            base = self.written
+            visible = torch.zeros(len(outcomes), base + len(outcomes), dtype=torch.bool)
+            visible[:, : self.committed] = True
+            for i, (_, n, _) in enumerate(outcomes):
+                visible[i, path_rows[n] + [base + i]] = True
+            roots = self._run(
+                RowsCall(
+                    self.slot,
+                    base,
+                    torch.tensor([b for _, _, b in outcomes]),
+                    torch.tensor([prefix_len + tree.depths[n] for _, n, _ in outcomes]),
+                    visible,
+                    torch.stack([states[n] for _, n, _ in outcomes]),
+                )
+            )  # [T, d]
+            for i, (_, n, b) in enumerate(outcomes):
+                path = tuple(tree.tokens[m] for m in self._path(tree, n)[1:])
+                built = self._grow(b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy)
+                built.proposal.assumed = (path, b)
+                self.ahead[(version, path, b, policy)] = built
+                self.ahead_built += 1
+        except KVCapacityError:
+            pass  # no scratch rows left in this slot: no tree drafted ahead this round
+        finally:
+            rendezvous.leave()
+
+    @staticmethod
+    def _path(tree: DraftTree, node: int) -> list[int]:
+        path = [node]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        return path[::-1]
+
+    def _settle_ahead(self) -> None:
+        """Wait for the drafting ahead in flight (its rows are scratch that the next step drops)."""
+        job, self._ahead_job = self._ahead_job, None
+        if job is not None:
+            with self.model.batcher.rendezvous.blocked():
+                job.result()
 
     def _expand(
         self,
@@ -150,13 +294,20 @@ class DraftSession:
         prefix_len: int,
     ) -> torch.Tensor:
         """Run the drafter on tree nodes: each sees the committed rows, its draft ancestors and itself."""
-        base = len(self.kv)
-        mask = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
-        mask[:, : self.committed] = True
+        base = self.written
+        visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
+        visible[:, : self.committed] = True
         for i, node in enumerate(nodes):
             path_rows[node] = path_rows[tree.parents[node]] + [base + i]
-            mask[i, path_rows[node]] = True
+            visible[i, path_rows[node]] = True
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
         tokens = torch.tensor([tree.tokens[n] for n in nodes])
         positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])
-        return self.drafter.step(hidden[None], tokens[None], positions[None], self.kv, mask[None, None])[0]
+        return self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden))
+
+    def _run(self, call: RowsCall) -> torch.Tensor:
+        """Write `call`'s rows into this session's slot and return their drafter outputs [N, d]."""
+        self.model.pool.check_fits(call.start + call.tokens.shape[0])
+        out = self.model.batcher.run(call)
+        self.written = call.start + call.tokens.shape[0]
+        return out

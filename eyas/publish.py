@@ -1,4 +1,4 @@
-"""The publish transaction (design reference 0x05D), shared by the in-process engine and the coordinator.
+"""The publish transaction (docs/round.md#publish), shared by the in-process engine and the coordinator.
 
 After a verification the request's committed output advances first (it is the source of truth);
 then the target keeps the KV of the accepted rows only and the drafter drops its tree rows and

@@ -2,7 +2,8 @@
 
 The last committed token is append-required: it has no target KV or feature yet and becomes
 row 0 of the next tree. Output never overshoots max_new_tokens, EOS or a stop string, even when
-a round accepts more.
+a round accepts more. Prompts become checked token ids here, and EOS ids come from the
+target's generation config, for the engine and the service alike.
 """
 
 from __future__ import annotations
@@ -93,3 +94,32 @@ class RequestState:
         if len(self.output) >= self.stop.max_new_tokens:
             return "length"
         return None
+
+
+def tokenize_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int) -> list[int]:
+    """A prompt string (through `tokenizer`) or a list of token ids, checked against the vocabulary.
+
+    Shared by the engine and the service's coordinator, which holds the tokenizer but no model.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise RequestError("prompt", "the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids from a generation config, else from the tokenizer; empty when neither names one."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

@@ -1,4 +1,4 @@
-"""The speculation round (design reference 0x09), written once for every deployment.
+"""The speculation round (docs/round.md), written once for every deployment.
 
 `start` seeds (or rebuilds) a request's target and draft caches from its committed tokens;
 `run_round` drafts a tree, verifies it and publishes the result. The in-process engine passes
@@ -13,13 +13,37 @@ from typing import Protocol
 
 import torch
 
-from .proposer import Proposal
 from .publish import publish
 from .request import RequestState
 from .sampling import SamplingParams
-from .target import Verification
 from .tree import DraftTree, FlattenedTree, TreePolicy
 from .verify import AcceptanceDecision
+
+
+@dataclass
+class Proposal:
+    """A proposed tree and what it cost: nodes expanded (drafter rows run), nodes recorded, temporary KV bytes,
+    and the seconds spent on tree bookkeeping (recording, reranking, flattening) outside drafter forwards."""
+
+    tree: FlattenedTree
+    nodes_expanded: int
+    nodes_recorded: int
+    draft_kv_bytes: int
+    tree_seconds: float = 0.0
+    draft_tree: DraftTree | None = None  # every recorded node, for tree tuning (not sent on the wire)
+    row_nodes: list[int] | None = None  # draft-tree node of each flattened row
+    assumed: tuple[tuple[int, ...], int] | None = None  # drafted ahead: the (accepted tokens, bonus) it assumed
+
+
+@dataclass
+class Verification:
+    """What one tree verification yields: the decision, the accepted rows' target features, and costs."""
+
+    decision: AcceptanceDecision
+    features: torch.Tensor  # [len(accepted_rows), F], in accepted-row order
+    experts: frozenset[tuple[int, int]]
+    branch_kv_bytes: int
+    row_probs: torch.Tensor | None = None  # [N] conditional acceptance probability of every row (verify.decide)
 
 
 class Drafting(Protocol):
@@ -56,6 +80,7 @@ class RoundRecord:
     row_nodes: list[int] | None = None  # draft-tree node of each flattened row
     row_probs: torch.Tensor | None = None  # [N] acceptance probability of each row given its parent
     policy: TreePolicy | None = None  # the tree policy this round drafted with
+    pre_built: bool = False  # the tree was drafted ahead, during the previous verification
 
 
 def start(request: RequestState, draft: Drafting, target: Verifying) -> None:
@@ -96,4 +121,5 @@ def run_round(request: RequestState, draft: Drafting, target: Verifying, policy:
         row_nodes=proposal.row_nodes,
         row_probs=verification.row_probs,
         policy=policy,
+        pre_built=proposal.assumed is not None,
     )

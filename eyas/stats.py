@@ -21,6 +21,8 @@ class GenerationStats:
     accepted_length_histogram: list[int] = field(default_factory=list)
     nodes_expanded: int = 0
     nodes_verified: int = 0
+    ahead_rounds: int = 0  # rounds that verified a tree drafted ahead (draft-ahead hits)
+    ahead_tokens: int = 0  # tokens those rounds committed
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def add_prefill(self, seconds: float) -> None:
@@ -38,6 +40,9 @@ class GenerationStats:
         self.accepted_length_histogram[accepted] += 1
         self.nodes_expanded += record.nodes_expanded
         self.nodes_verified += record.tree.num_rows
+        if record.pre_built:
+            self.ahead_rounds += 1
+            self.ahead_tokens += len(record.emitted)
         for phase, seconds in record.seconds.items():
             self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 

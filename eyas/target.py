@@ -1,8 +1,12 @@
-"""The target adapter: a frozen Hugging Face causal LM that prefills, verifies trees and commits KV rows.
+"""The target adapter: a frozen Llama-family target on eyas's runtime that prefills, verifies trees and commits.
 
-`TargetModel` owns the weights and the feature taps; `TargetSession` owns one request's target KV,
-its committed length and version, and the provisional branch rows of the tree being verified.
-Row maps come from the flattened tree's metadata, never from token equality.
+`TargetModel` owns the weights, the feature taps and the worker's KV pool; `TargetSession` owns one
+request's slot in that pool, its committed length and version, and the provisional tree rows that
+sit right after the committed prefix until commit (docs/runtime.md). Row maps come from the
+flattened tree's metadata, never from token equality.
+
+On a tensor-parallel group every rank builds a `TargetModel` on its shard; rank 0 serves and leads
+(`run` and KV moves are lockstep steps), the other ranks `follow` (docs/groups.md).
 """
 
 from __future__ import annotations
@@ -12,87 +16,125 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoTokenizer, GenerationConfig
 
 from .errors import VersionError
 from .manifest import FeatureAddress, TargetFingerprint, fingerprint_target
+from .rounds import Verification
+from .runtime.batch import Batcher, Rendezvous, RowsCall, pack, split_rows
+from .runtime.device import attention_dtype
+from .runtime.kv import TREE_HEADROOM, KVPool
+from .runtime.model import CausalLM
+from .runtime.shard import Lockstep, Shard
 from .sampling import SamplingParams
-from .tree import FlattenedTree, validate_tree
-from .verify import AcceptanceDecision, decide, row_acceptance
+from .tree import FlattenedTree
+from .verify import decide
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+DEFAULT_KV_SLOTS = 8
+MAX_BATCH_ROWS = 4096  # rows one batched forward takes; calls past it wait for the next
 
 
 @dataclass
 class TargetOutput:
-    """One target forward: logits [N, V] (None when not requested), features [N, F], MoE experts routed."""
+    """One call's rows of a target forward: logits [N, V] (None when not requested), features [N, F], MoE experts."""
 
     logits: torch.Tensor | None
     features: torch.Tensor
     experts: frozenset[tuple[int, int]]
 
 
+@dataclass
+class TargetCall:
+    rows: RowsCall
+    with_logits: bool = True
+
+
 class TargetModel:
-    """A frozen target with feature taps at one declared address, shared by all its sessions."""
+    """A frozen target with feature taps at one declared address and the KV pool its sessions share."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         address: FeatureAddress,
         tokenizer=None,
         fingerprint: TargetFingerprint | None = None,
         path: str | None = None,
+        generation_config: GenerationConfig | None = None,
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        max_seq_len: int | None = None,
+        rendezvous: Rendezvous | None = None,
     ):
-        model.eval().requires_grad_(False)
-        self.model = model
-        self.config = model.config.get_text_config(decoder=True)
-        if self.config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {self.config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-        self.decoder = model.get_decoder()
-        self.embed = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()
-        self.num_layers = len(self.decoder.layers)
-        self.vocab_size = int(self.lm_head.out_features)
-        self.hidden_size = int(self.config.hidden_size)
+        self.runtime = model
+        self.config = model.config
+        self.num_layers = model.num_layers
+        self.vocab_size = model.vocab_size
+        self.hidden_size = model.hidden_size
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.path = path
-        self.window = self._sliding_window()
+        self.generation_config = generation_config
+        self.window = model.sliding_window()
         self.address = self._check_address(address)
-        self._taps: dict[int, torch.Tensor] = {}
-        self._routed: list[torch.Tensor] = []
-        self._experts = self._hook_routers()
-        for index in set(self.address.layers):
-            self.decoder.layers[index].register_forward_pre_hook(self._tap_hook(index), with_kwargs=True)
+        self.taps = () if address.kind == "final_norm_output" else address.layers
+        self.max_seq_len = max_seq_len or model.max_positions  # tokens one request may hold
+        slot_len = self.max_seq_len + TREE_HEADROOM
+        kv_dtype = attention_dtype(model.dtype, model.device)
+        self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
+        self.batcher: Batcher[TargetCall, TargetOutput] = Batcher(
+            self.run, rendezvous or Rendezvous(), rows=lambda call: int(call.rows.tokens.shape[0]), max_rows=MAX_BATCH_ROWS
+        )
+        self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
+
+    @property
+    def embed(self) -> torch.nn.Embedding:
+        """The token embedding, for a drafter bound to this target (a whole model only)."""
+        self._check_whole("embed")
+        return torch.nn.Embedding.from_pretrained(self.runtime.embed, freeze=True)
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        """The LM head, for a drafter bound to this target (a whole model only)."""
+        self._check_whole("lm_head")
+        head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device=self.runtime.device, dtype=self.runtime.dtype)
+        head.weight = torch.nn.Parameter(self.runtime.lm_head, requires_grad=False)
+        return head
+
+    def _check_whole(self, what: str) -> None:
+        if self.runtime.shard.size > 1:
+            raise ValueError(f"{what}: rank {self.runtime.shard.rank} holds only a vocabulary shard of the target")
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, address: FeatureAddress | None = None, dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        address: FeatureAddress | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        max_seq_len: int | None = None,
+        rendezvous: Rendezvous | None = None,
+        shard: Shard = Shard(),
     ) -> "TargetModel":
-        """Load a target checkpoint directory (with its tokenizer when present) and fingerprint it."""
+        """Load a target checkpoint directory (with its tokenizer when present) and fingerprint it; a rank of a
+        tensor-parallel group loads its `shard`."""
         path = Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
         config_dict = json.loads((path / "config.json").read_text())
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = CausalLM.from_pretrained(path, dtype=dtype, device=device, shard=shard)
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+        generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
         return cls(
             model,
             address or FeatureAddress.eagle1(),
             tokenizer=tokenizer,
             fingerprint=fingerprint_target(path, config_dict),
             path=str(path),
+            generation_config=generation,
+            kv_slots=kv_slots,
+            max_seq_len=max_seq_len,
+            rendezvous=rendezvous,
         )
-
-    def _sliding_window(self) -> int | None:
-        """The attention window applied through the explicit mask, or None for full attention."""
-        window = getattr(self.config, "sliding_window", None)
-        types = set(getattr(self.config, "layer_types", None) or [])
-        if window is None or types == {"full_attention"}:
-            return None
-        if len(types) > 1:
-            raise ValueError("hybrid sliding/full attention layers are not supported by tree verification")
-        return int(window)
 
     def _check_address(self, address: FeatureAddress) -> FeatureAddress:
         for layer in address.layers:
@@ -100,127 +142,94 @@ class TargetModel:
                 raise ValueError(f"feature address layer {layer} is outside the target's {self.num_layers} layers")
         return address
 
-    def _tap_hook(self, index: int):
-        def hook(module, args, kwargs):
-            self._taps[index] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def _hook_routers(self) -> bool:
-        """Record the experts each MoE router picks, so a verification can report their union (0x09A)."""
-        found = False
-        for index, layer in enumerate(self.decoder.layers):
-            mlp = getattr(layer, "mlp", None)
-            gate = getattr(mlp, "gate", None)
-            if gate is None or not hasattr(mlp, "experts"):
-                continue
-            found = True
-            top_k = int(self.config.num_experts_per_tok)
-
-            def hook(module, args, output, index=index, top_k=top_k):
-                chosen = output[-1] if isinstance(output, tuple) else torch.topk(output, top_k, dim=-1).indices
-                self._routed.append(torch.stack(torch.broadcast_tensors(torch.tensor(index), chosen.flatten()), -1))
-
-            gate.register_forward_hook(hook)
-        return found
-
     @property
     def feature_width(self) -> int:
         return self.address.width(self.hidden_size)
 
-    def attention_mask(self, rows_mask: torch.Tensor, positions: torch.Tensor, prefix_len: int) -> torch.Tensor:
-        """[1, 1, N, P + N] bool: every row sees the committed prefix and the rows `rows_mask` allows."""
+    def visible(self, rows_mask: torch.Tensor, positions: torch.Tensor, prefix_len: int) -> torch.Tensor:
+        """[N, P + N] bool: every row sees the committed prefix (within the window) and the rows `rows_mask` allows."""
         n = rows_mask.shape[0]
         mask = torch.ones(n, prefix_len + n, dtype=torch.bool)
         mask[:, prefix_len:] = rows_mask
         if self.window is not None:
             key_positions = torch.cat([torch.arange(prefix_len), positions])
             mask &= (positions[:, None] - key_positions[None, :]) < self.window
-        return mask[None, None]
+        return mask
+
+    def call(self, slot: int, prefix_len: int, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool = True) -> TargetCall:
+        """N rows written right after a slot's `prefix_len` committed rows; tokens, positions [N], rows_mask [N, N]."""
+        return TargetCall(RowsCall(slot, prefix_len, tokens, positions, self.visible(rows_mask, positions, prefix_len)), with_logits)
+
+    def run(self, calls: list[TargetCall]) -> list[TargetOutput]:
+        """One forward over the rows of every call (each in its own slot) -> each call's logits, features, experts;
+        on a group, every rank runs it."""
+        return self.lockstep.lead("run", calls)
+
+    def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move KV rows inside a slot (a commit), on every rank of a group."""
+        self.lockstep.lead("move", slot, src, dst)
+
+    def follow(self) -> None:
+        """A rank > 0 of a group: run rank 0's steps until it stops (raises GroupError if the group breaks)."""
+        self.lockstep.follow()
+
+    def stop(self) -> None:
+        """Rank 0 of a group: release the other ranks from `follow`."""
+        self.lockstep.stop()
 
     @torch.no_grad()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        rows_mask: torch.Tensor,
-        cache: DynamicCache,
-        with_logits: bool = True,
-    ) -> TargetOutput:
-        """Run N rows on top of the cache (which grows by N rows); tokens, positions: [N], rows_mask: [N, N]."""
-        prefix_len = cache.get_seq_length()
-        self._taps.clear()
-        self._routed.clear()
-        out = self.decoder(
-            input_ids=tokens[None],
-            position_ids=positions[None],
-            attention_mask=self.attention_mask(rows_mask, positions, prefix_len),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state[0]  # [N, d], after the final norm
-        if self.address.kind == "final_norm_output":
-            features = hidden  # [N, d]
-        else:
-            features = torch.cat([self._taps[i][0] for i in self.address.layers], dim=-1)  # [N, d * taps]
-        logits = self.lm_head(hidden).float() if with_logits else None  # [N, V]
-        experts = frozenset(map(tuple, torch.cat(self._routed).tolist())) if self._routed else frozenset()
-        return TargetOutput(logits, features, experts)
+    def run_local(self, calls: list[TargetCall]) -> list[TargetOutput]:
+        """`run` on this rank's shard."""
+        packed = pack([c.rows for c in calls], self.pool)
+        out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
+        hidden = packed.rows(out.hidden)  # [R, d]
+        features = hidden if not self.taps else torch.cat([packed.rows(t) for t in out.taps], dim=-1)  # [R, F]
+        logit_rows = [n if c.with_logits else 0 for c, n in zip(calls, packed.lengths)]
+        if any(logit_rows):
+            wanted = torch.cat([h for h, n in zip(split_rows(hidden, packed.lengths), logit_rows) if n])
+            logits = iter(split_rows(self.runtime.logits(wanted), [n for n in logit_rows if n]))  # [R', V]
+        routed = [packed.rows(r) for r in out.routed]  # per MoE layer [R, top_k]
+        results = []
+        for b, feats in enumerate(split_rows(features, packed.lengths)):
+            experts = frozenset()
+            if routed:
+                start, n = sum(packed.lengths[:b]), packed.lengths[b]
+                experts = frozenset((layer, int(e)) for layer, r in enumerate(routed) for e in r[start : start + n].unique().tolist())
+            results.append(TargetOutput(next(logits) if logit_rows[b] else None, feats, experts))
+        return results
 
-
-    @torch.no_grad()
-    def teacher(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training-time forward without a cache: tokens, positions [B, S], mask [B, 1, S, S] bool.
-
-        Returns (features [B, S, F] at the declared address, final-norm hidden states [B, S, d]).
-        """
-        self._taps.clear()
-        out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False)
-        hidden = out.last_hidden_state  # [B, S, d]
-        if self.address.kind == "final_norm_output":
-            return hidden, hidden
-        return torch.cat([self._taps[i] for i in self.address.layers], dim=-1), hidden  # [B, S, d * taps]
-
-
-def keep_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
-    """Keep only the cache rows listed in `keep` (in that order) in every layer."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(2, keep)
-        layer.values = layer.values.index_select(2, keep)
-
-
-@dataclass
-class Verification:
-    """What one tree verification yields: the decision, the accepted rows' target features, and costs."""
-
-    decision: AcceptanceDecision
-    features: torch.Tensor  # [len(accepted_rows), F], in accepted-row order
-    experts: frozenset[tuple[int, int]]
-    branch_kv_bytes: int
-    row_probs: torch.Tensor | None = None  # [N] conditional acceptance probability of every row (verify.row_acceptance)
+    def kv_row_bytes(self) -> int:
+        return self.pool.row_bytes
 
 
 class TargetSession:
-    """One request's target KV: committed rows, a version, and provisional tree rows until commit."""
+    """One request's target KV: a pool slot, committed rows, a version, and provisional tree rows until commit."""
 
-    def __init__(self, model: TargetModel):
+    def __init__(self, model: TargetModel, wait: bool = False):
         self.model = model
-        self.cache = DynamicCache()
+        self.slot = model.pool.acquire(model.pool.slot_len, wait=wait)
         self.committed = 0
         self.version = 0
         self.provisional = 0
         self.last_commit: tuple[int, tuple[int, ...]] | None = None
 
+    def __del__(self) -> None:
+        self.close()  # a session dropped without close() still returns its slot
+
+    def close(self) -> None:
+        """Return the slot to the pool; the session is unusable afterwards."""
+        if getattr(self, "slot", None) is not None:
+            self.model.pool.release(self.slot)
+            self.slot = None
+            self.committed = self.provisional = 0
+
     def _check_version(self, version: int) -> None:
         if version != self.version:
             raise VersionError("target cache", self.version, version)
 
-    def _drop_provisional(self) -> None:
-        if self.provisional:
-            self.cache.crop(-self.provisional)
-            self.provisional = 0
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> TargetOutput:
+        self.model.pool.check_fits(self.committed + tokens.shape[0])
+        return self.model.batcher.run(self.model.call(self.slot, self.committed, tokens, positions, rows_mask, with_logits))
 
     def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
         """Commit the KV of `tokens` (everything before the next tree root) at the request's `version`.
@@ -233,55 +242,45 @@ class TargetSession:
         if not tokens:
             return torch.empty(0, self.model.feature_width)
         n = len(tokens)
-        out = self.model.forward(
-            torch.tensor(tokens, dtype=torch.long),
-            torch.arange(n),
-            torch.ones(n, n, dtype=torch.bool).tril(),
-            self.cache,
-            with_logits=False,
-        )
+        out = self._forward(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
         self.committed = n
         return out.features
 
-    def verify(
-        self, tree: FlattenedTree, version: int, params: SamplingParams, draws: torch.Tensor | None = None
-    ) -> Verification:
+    def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
         """Verify a tree built on `version`: its rows stay provisional until `commit`.
 
-        `draws` replaces the round's own uniforms, as a trace replay does with the recorded ones.
+        The tree is trusted: the engine's own proposer builds valid trees, and a tree from outside (a
+        worker call, a trace) passes `validate_tree` against `committed` once where it enters.
         """
         self._check_version(version)
-        validate_tree(tree, vocab_size=self.model.vocab_size, prefix_len=self.committed)
-        self._drop_provisional()
-        out = self.model.forward(tree.tokens, tree.positions, tree.mask, self.cache)
+        self.provisional = 0
+        out = self._forward(tree.tokens, tree.positions, tree.mask, True)
         self.provisional = tree.num_rows
-        decision = decide(tree, out.logits, params, version, draws)
+        logits = out.logits.cpu()
+        decision, row_probs = decide(tree, logits, params)
         rows = torch.tensor(decision.accepted_rows, dtype=torch.long)
         return Verification(
-            decision, out.features[rows], out.experts, self.kv_bytes(tree.num_rows), row_acceptance(tree, out.logits, params)
+            decision, out.features[rows.to(out.features.device)], out.experts, self.kv_bytes(tree.num_rows), row_probs
         )
 
     def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
-        """Keep the KV of the accepted rows (in path order), drop the other branch rows; idempotent per version."""
+        """Keep the KV of the accepted rows (in path order), drop the other tree rows; idempotent per version."""
         accepted_rows = tuple(int(r) for r in accepted_rows)
         if self.last_commit == (version, accepted_rows) and self.version == version + 1:
             return
         self._check_version(version)
         if not accepted_rows or accepted_rows[0] != 0 or any(not 0 <= r < self.provisional for r in accepted_rows):
             raise ValueError(f"accepted_rows: {list(accepted_rows)} is not a path of the {self.provisional} verified rows")
-        keep = torch.cat([torch.arange(self.committed), self.committed + torch.tensor(accepted_rows)])
-        keep_cache_rows(self.cache, keep)
-        self.committed += len(accepted_rows)
+        n = len(accepted_rows)
+        src = self.committed + torch.tensor(accepted_rows)
+        dst = torch.arange(self.committed, self.committed + n)
+        if not torch.equal(src, dst):
+            self.model.move_rows(self.slot, src, dst)
+        self.committed += n
         self.provisional = 0
         self.version = version + 1
         self.last_commit = (version, accepted_rows)
 
     def kv_bytes(self, rows: int | None = None) -> int:
-        """Bytes of target KV held for `rows` rows (all rows when None)."""
-        total = 0
-        for layer in self.cache.layers:
-            if layer.keys is None or not layer.keys.numel():
-                continue
-            per_row = (layer.keys[:, :, :1].numel() + layer.values[:, :, :1].numel()) * layer.keys.element_size()
-            total += per_row * (layer.keys.shape[2] if rows is None else rows)
-        return total
+        """Bytes of target KV held for `rows` rows (committed plus provisional when None)."""
+        return self.model.pool.row_bytes * (self.committed + self.provisional if rows is None else rows)

@@ -1,6 +1,6 @@
-"""EAGLE-2 dynamic draft trees (design reference 0x06) and their flattened form.
+"""EAGLE-2 dynamic draft trees (docs/tree.md) and their flattened form.
 
-`DraftTree` records expansion results with the reference's validation rules;
+`DraftTree` records expansion results with the receipt rules of docs/tree.md#growing;
 `DraftTree.select` reranks to an ancestor-closed verify budget; `flatten` turns a
 selection into the rows the target verifies; `validate_tree` is the receipt check
 every consumer of a `FlattenedTree` runs.
@@ -33,13 +33,13 @@ class TreePolicy:
     `budget` counts candidate nodes; the root (last committed token) is verified on top of it.
     """
 
-    top_k: int = 8
+    width: int = 8
     depth: int = 5
     budget: int = 32
 
     def __post_init__(self) -> None:
-        if type(self.top_k) is not int or self.top_k < 1:
-            raise TreeError("top_k", f"expansion width must be a positive integer, got {self.top_k!r}")
+        if type(self.width) is not int or self.width < 1:
+            raise TreeError("width", f"expansion width must be a positive integer, got {self.width!r}")
         for name in ("depth", "budget"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
@@ -47,14 +47,17 @@ class TreePolicy:
 
     @classmethod
     def from_dict(cls, spec: dict | "TreePolicy" | None) -> "TreePolicy":
-        """Build a policy from a `{"top_k", "depth", "budget"}` mapping, refusing unknown keys."""
+        """Build a policy from a `{"width", "depth", "budget"}` mapping, refusing unknown keys (and the old name
+        `top_k`, which now means only sampling top-k)."""
         if spec is None:
             return cls()
         if isinstance(spec, TreePolicy):
             return spec
-        unknown = set(spec) - {"top_k", "depth", "budget"}
+        if "top_k" in spec:
+            raise TreeError("top_k", "the tree's expansion width is now called width (top_k is sampling top-k only)")
+        unknown = set(spec) - {"width", "depth", "budget"}
         if unknown:
-            raise TreeError(sorted(unknown)[0], "unknown tree knob (expected top_k, depth, budget)")
+            raise TreeError(sorted(unknown)[0], "unknown tree knob (expected width, depth, budget)")
         return cls(**spec)
 
 
@@ -77,7 +80,7 @@ class DraftTree:
         return len(self.tokens)
 
     def ranked(self, nodes: list[int]) -> list[int]:
-        """`nodes` in global order: higher path value first, then shallower, then earlier id (0x06A tie rule)."""
+        """`nodes` in global order: higher path value first, then shallower, then earlier id (docs/tree.md#ranking)."""
         values = torch.tensor([self.log_values[n] for n in nodes], dtype=torch.float64)
         order = torch.argsort(-values, stable=True)
         return [nodes[i] for i in order.tolist()]
@@ -233,6 +236,18 @@ def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedT
     )
 
 
+def check_fit(tree: FlattenedTree, *, budget: int | None = None, root_token: int | None = None) -> None:
+    """The cheap checks of a tree against what its requester asked: the root row exists, carries `root_token`,
+    and at most `budget` candidate rows follow it; raises `TreeError` naming the field."""
+    n = tree.num_rows
+    if n < 1:
+        raise TreeError("tokens", "a tree has at least the root row")
+    if budget is not None and n - 1 > budget:
+        raise TreeError("tokens", f"{n - 1} candidate rows exceed the verify budget {budget}")
+    if root_token is not None and int(tree.tokens[0]) != root_token:
+        raise TreeError("tokens", f"root row token {int(tree.tokens[0])} is not the append-required token {root_token}")
+
+
 def validate_tree(
     tree: FlattenedTree,
     *,
@@ -241,23 +256,21 @@ def validate_tree(
     budget: int | None = None,
     root_token: int | None = None,
 ) -> None:
-    """Receipt check of a flattened tree; raises `TreeError` naming the first broken field."""
+    """Receipt check of a flattened tree (its structure, and `check_fit`); raises `TreeError` naming the first broken field.
+
+    Run once where a tree crosses a trust boundary before it is verified (a target worker, a trace replay).
+    """
+    check_fit(tree, budget=budget, root_token=root_token)
     n = tree.num_rows
-    if n < 1:
-        raise TreeError("tokens", "a tree has at least the root row")
     for name in ("parents", "depths", "positions", "draft_probs"):
         if tuple(getattr(tree, name).shape) != (n,):
             raise TreeError(name, f"shape {tuple(getattr(tree, name).shape)} does not match {n} rows")
     if tuple(tree.mask.shape) != (n, n):
         raise TreeError("mask", f"shape {tuple(tree.mask.shape)} is not [{n}, {n}]")
-    if budget is not None and n - 1 > budget:
-        raise TreeError("tokens", f"{n - 1} candidate rows exceed the verify budget {budget}")
     tokens = tree.tokens.tolist()
     if any(not 0 <= t < vocab_size for t in tokens):
         bad = next(t for t in tokens if not 0 <= t < vocab_size)
         raise TreeError("tokens", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if root_token is not None and tokens[0] != root_token:
-        raise TreeError("tokens", f"root row token {tokens[0]} is not the append-required token {root_token}")
     parents = tree.parents.tolist()
     if parents[0] != -1:
         raise TreeError("parents", "row 0 is the root and has parent -1")

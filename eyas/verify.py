@@ -1,16 +1,19 @@
-"""Exact acceptance of a verified tree (facts.md section 3): greedy and distribution-preserving sampling.
+"""Exact acceptance of a verified tree (docs/sampling.md): greedy and seeded sampling.
 
-Pure functions of the flattened tree, the target logits of its rows and the round's draws;
-they decide which root-to-node path is accepted and which frontier token the target emits.
+Pure functions of the flattened tree, the target logits of its rows and the sampling options;
+they decide which root-to-node path is accepted and which frontier token the target emits. Under
+sampling the target's token at each position is the one its position-keyed noise picks, and a draft
+child is accepted exactly when it is that token, so a seed fixes the text whatever the tree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, round_draws, target_probs
+from .sampling import SamplingParams, keyed_token, target_log_probs
 from .tree import FlattenedTree
 
 
@@ -18,17 +21,16 @@ from .tree import FlattenedTree
 class AcceptanceDecision:
     """Accepted flat rows (root first, one root-to-node path), their tokens after the root, and the frontier token.
 
-    `draws` are the uniforms the sampler consumed, in order (empty for greedy), so a round replays bit for bit.
-    `frontier_prob` is the target probability of the frontier token under the distribution it was drawn from.
+    `frontier_prob` is the target probability of the frontier token at the last accepted row.
     `token_probs[i]` is the target probability of row i's token under its parent row's distribution (1 for the
-    root), so a recorded round shows how much the target liked every node it was offered.
+    root), so a recorded round shows how much the target liked every node it was offered. A sampled decision
+    used the noise of positions `tree.positions[accepted_rows] + 1` of the request's seed, nothing else.
     """
 
     accepted_rows: tuple[int, ...]
     accepted_tokens: tuple[int, ...]
     frontier_token: int
     frontier_prob: float
-    draws: tuple[float, ...] = ()
     token_probs: tuple[float, ...] = ()
 
     @property
@@ -37,9 +39,19 @@ class AcceptanceDecision:
         return len(self.accepted_tokens)
 
 
-def node_probs(tree: FlattenedTree, probs: torch.Tensor) -> tuple[float, ...]:
-    """Target probability of each row's token under its parent row's distribution (1 for the root); probs: [N, V]."""
-    return (1.0, *probs[tree.parents[1:], tree.tokens[1:]].tolist())
+def accepted_path(tree: FlattenedTree, pick: Callable[[int], int]) -> tuple[list[int], int]:
+    """From the root, follow the child whose token is the target's pick at its parent row; stop where no child is.
+
+    Returns the accepted rows (root first) and the target's pick at the last of them: the frontier token.
+    """
+    tokens = tree.tokens.tolist()
+    rows = [0]
+    while True:
+        chosen = pick(rows[-1])
+        match = [c for c in tree.children(rows[-1]) if tokens[c] == chosen]
+        if not match:
+            return rows, chosen
+        rows.append(match[0])
 
 
 def node_probs_from_logits(tree: FlattenedTree, logits: torch.Tensor) -> tuple[float, ...]:
@@ -50,92 +62,54 @@ def node_probs_from_logits(tree: FlattenedTree, logits: torch.Tensor) -> tuple[f
     return (1.0, *(logits[parents, tree.tokens[1:]].to(torch.float64) - log_norm[index]).exp().tolist())
 
 
-def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> AcceptanceDecision:
+def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> tuple[AcceptanceDecision, torch.Tensor]:
     """Longest path whose every token is the target argmax at its parent, plus the argmax after it.
 
-    logits: [N, V], row i is the target's next-token logits after the path to row i.
+    logits: [N, V], row i is the target's next-token logits after the path to row i. Also returns the [N]
+    float64 conditional acceptance of every row: 1 where its token is the argmax at its parent (root: 1).
     """
-    best = logits.argmax(dim=-1).tolist()  # [N]
+    best = logits.argmax(dim=-1).cpu()  # [N]
+    rows, frontier = accepted_path(tree, best.tolist().__getitem__)
     tokens = tree.tokens.tolist()
-    rows = [0]
-    while True:
-        match = [c for c in tree.children(rows[-1]) if tokens[c] == best[rows[-1]]]
-        if not match:
-            break
-        rows.append(match[0])
-    frontier = best[rows[-1]]
     prob = torch.softmax(logits[rows[-1]].to(torch.float64), dim=-1)[frontier].item()
-    return AcceptanceDecision(
-        tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob, (), node_probs_from_logits(tree, logits)
+    decision = AcceptanceDecision(
+        tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, prob, node_probs_from_logits(tree, logits)
     )
+    matches = (best[tree.parents[1:]] == tree.tokens[1:]).to(torch.float64)  # [N - 1]
+    return decision, torch.cat([torch.ones(1, dtype=torch.float64), matches])
 
 
-def sample_from(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw of one token from a [V] distribution with the uniform `u`."""
-    cdf = torch.cumsum(probs, dim=0)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=cdf.dtype), right=True))
-    last_nonzero = int(probs.nonzero().max())
-    return min(index, last_nonzero)
+def sampled_decision(tree: FlattenedTree, log_probs: torch.Tensor, seed: int) -> tuple[AcceptanceDecision, torch.Tensor]:
+    """At each row of the path, the target's token is the one the seed's noise of the next position picks from
+    the row's distribution; the child carrying that token is accepted, and where none does it is the frontier.
 
-
-def sampled_decision(tree: FlattenedTree, probs: torch.Tensor, draws: torch.Tensor) -> AcceptanceDecision:
-    """Walk the tree from the root; at each node try its children in draft order.
-
-    Child x is accepted with probability p'(x), where p' is the node's target distribution with the
-    already rejected siblings zeroed and renormalised; if all children are rejected the frontier
-    token is drawn from p'. This keeps every emitted token distributed exactly as the target's.
-    probs: [N, V] float64 target distributions per row; draws: [>= N] uniforms.
+    Child x of a reached row is thus accepted with probability p(x), as under the sequential rule (try the
+    children in order, accept with the residual probability, renormalise on rejection; docs/sampling.md), and
+    every emitted token is distributed exactly as the target's. log_probs: [N, V] float64 target log-distributions.
+    Also returns the [N] float64 conditional acceptance of every row: p(token | parent row) (root: 1).
     """
+    positions = tree.positions.tolist()
+    rows, frontier = accepted_path(tree, lambda row: keyed_token(log_probs[row], seed, positions[row] + 1))
     tokens = tree.tokens.tolist()
-    used: list[float] = []
-    rows = [0]
-    while True:
-        residual = probs[rows[-1]].clone()
-        accepted = None
-        for child in tree.children(rows[-1]):
-            u = draws[len(used)].item()
-            used.append(u)
-            x = tokens[child]
-            if u < residual[x].item():
-                accepted = child
-                break
-            residual[x] = 0.0
-            residual = residual / residual.sum()
-        if accepted is None:
-            u = draws[len(used)].item()
-            used.append(u)
-            frontier = sample_from(residual, u)
-            prob = residual[frontier].item()
-            break
-        rows.append(accepted)
-    accepted = tuple(tokens[r] for r in rows[1:])
-    return AcceptanceDecision(tuple(rows), accepted, frontier, prob, tuple(used), node_probs(tree, probs))
+    acceptance = torch.cat(
+        [torch.ones(1, dtype=torch.float64), log_probs[tree.parents[1:], tree.tokens[1:]].exp().cpu()]
+    )  # [N]
+    decision = AcceptanceDecision(
+        tuple(rows),
+        tuple(tokens[r] for r in rows[1:]),
+        frontier,
+        log_probs[rows[-1], frontier].exp().item(),
+        tuple(acceptance.tolist()),
+    )
+    return decision, acceptance
 
 
-def row_acceptance(tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[N] float64: the probability that each row's token is accepted given its parent row was.
+def decide(tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams) -> tuple[AcceptanceDecision, torch.Tensor]:
+    """The acceptance decision of a round, greedy or sampled per `params`, and every row's conditional acceptance.
 
-    Greedy: 1 where the token is the target argmax at its parent, else 0. Sampling: the target's
-    probability of the token at its parent, which is exactly its acceptance probability under
-    `sampled_decision`. The root is 1. A node's path product is its chance to be on the accepted path.
-    """
-    rows, tokens = tree.parents[1:], tree.tokens[1:]
-    if params.greedy:
-        conditional = (logits.argmax(dim=-1)[rows] == tokens).to(torch.float64)
-    else:
-        conditional = target_probs(logits[rows], params).gather(1, tokens[:, None])[:, 0]
-    return torch.cat([torch.ones(1, dtype=torch.float64), conditional])
-
-
-def decide(
-    tree: FlattenedTree, logits: torch.Tensor, params: SamplingParams, version: int, draws: torch.Tensor | None = None
-) -> AcceptanceDecision:
-    """The acceptance decision of the round building on `version`, greedy or sampled per `params`.
-
-    `draws` replaces the round's own uniforms (a trace replay passes the recorded ones); at least N of them.
+    The second value ([N] float64) is the probability that each row's token is accepted given its parent row
+    was; a node's path product is its chance to be on the accepted path (the tree tuner's input).
     """
     if params.greedy:
         return greedy_decision(tree, logits)
-    if draws is None:
-        draws = round_draws(params.seed, version, tree.num_rows)
-    return sampled_decision(tree, target_probs(logits, params), draws)
+    return sampled_decision(tree, target_log_probs(logits, params), params.seed)

@@ -13,10 +13,9 @@ import math
 import numpy as np
 import torch
 
-from .proposer import Proposal
 from .request import make_sampling
+from .rounds import Proposal, Verification
 from .sampling import SamplingParams
-from .target import Verification
 from .tree import FlattenedTree, TreePolicy
 from .v1 import round_pb2 as pb
 from .v1 import tensor_pb2 as tpb
@@ -77,12 +76,12 @@ def ref(request_id: str, version: int, manifest_id: str) -> tpb.RequestRef:
 
 
 def policy_to_proto(policy: TreePolicy) -> pb.TreePolicy:
-    return pb.TreePolicy(top_k=policy.top_k, depth=policy.depth, budget=policy.budget)
+    return pb.TreePolicy(width=policy.width, depth=policy.depth, budget=policy.budget)
 
 
 def policy_from_proto(msg: pb.TreePolicy) -> TreePolicy:
     """A tree policy; out-of-range knobs raise `TreeError` naming the knob."""
-    return TreePolicy(top_k=msg.top_k, depth=msg.depth, budget=msg.budget)
+    return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -132,7 +131,8 @@ def features_from_proto(msg: tpb.Tensor, field: str, rows: int, width: int) -> t
 
 
 def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.Proposal:
-    return pb.Proposal(
+    """A proposal; a tree drafted ahead records the outcome it assumed in `tree.assumed`."""
+    msg = pb.Proposal(
         ref=request,
         tree=tree_to_proto(proposal.tree, request),
         nodes_expanded=proposal.nodes_expanded,
@@ -140,15 +140,23 @@ def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.Proposa
         draft_kv_bytes=proposal.draft_kv_bytes,
         tree_seconds=proposal.tree_seconds,
     )
+    if proposal.assumed is not None:
+        accepted, bonus = proposal.assumed
+        msg.tree.assumed.CopyFrom(pb.AssumedOutcome(accepted_tokens=accepted, frontier_token=bonus))
+    return msg
 
 
 def proposal_from_proto(msg: pb.Proposal) -> Proposal:
+    assumed = None
+    if msg.tree.HasField("assumed"):
+        assumed = (tuple(msg.tree.assumed.accepted_tokens), int(msg.tree.assumed.frontier_token))
     return Proposal(
         tree=tree_from_proto(msg.tree),
         nodes_expanded=msg.nodes_expanded,
         nodes_recorded=msg.nodes_recorded,
         draft_kv_bytes=msg.draft_kv_bytes,
         tree_seconds=msg.tree_seconds,
+        assumed=assumed,
     )
 
 
@@ -160,7 +168,6 @@ def decision_to_proto(d: AcceptanceDecision, features: torch.Tensor, request: tp
         accepted_tokens=d.accepted_tokens,
         frontier_token=d.frontier_token,
         frontier_prob=d.frontier_prob,
-        draws=d.draws,
         accepted_features=tensor_to_proto(features),
         token_probs=d.token_probs,
     )
@@ -173,7 +180,6 @@ def decision_from_proto(d: pb.AcceptanceDecision) -> AcceptanceDecision:
         accepted_tokens=tuple(d.accepted_tokens),
         frontier_token=d.frontier_token,
         frontier_prob=d.frontier_prob,
-        draws=tuple(d.draws),
         token_probs=tuple(d.token_probs),
     )
 

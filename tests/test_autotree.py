@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from oracle import OracleDrafter
-from tiny import make_drafter, make_target
+from tests.helpers.oracle import OracleDrafter
+from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
@@ -33,7 +33,7 @@ def engine(tmp_path_factory):
 
 def one_round(engine, policy, params):
     request = RequestState("r", list(PROMPT), params, StopRules(64))
-    target, draft = TargetSession(engine.target), DraftSession(engine.drafter)
+    target, draft = TargetSession(engine.target), DraftSession(engine.draft)
     start(request, draft, target)
     proposal = draft.propose(0, request.root_token, policy)
     return proposal, target.verify(proposal.tree, 0, params)
@@ -53,7 +53,7 @@ def test_replayed_sub_policies_predict_their_greedy_acceptance_exactly(engine):
 def test_grid_covers_chains_and_trees_within_the_exploration_tree():
     policies = grid()
     assert TreePolicy(1, 5, 5) in policies and TreePolicy(8, 5, 32) in policies and TreePolicy(4, 4, 16) in policies
-    assert all(p.top_k <= EXPLORE.top_k and p.depth <= EXPLORE.depth and p.budget <= EXPLORE.budget for p in policies)
+    assert all(p.width <= EXPLORE.width and p.depth <= EXPLORE.depth and p.budget <= EXPLORE.budget for p in policies)
 
 
 def test_tuner_trades_acceptance_against_this_machines_costs(engine):
@@ -69,7 +69,7 @@ def test_tuner_trades_acceptance_against_this_machines_costs(engine):
     assert gen.token_ids == second_choice.reference[len(PROMPT) : len(PROMPT) + 30]
     assert {r["policy"] for r in cheap.history} and gen.stats.rounds > cheap.explore_rounds
     wide = cheap.history[0]["policy"]
-    assert wide.top_k > 1  # the true token is never the drafter's first choice, so a chain accepts nothing
+    assert wide.width > 1  # the true token is never the drafter's first choice, so a chain accepts nothing
     steep = TreeTuner(Costs([1, 65], [0.010, 0.500], [1, 16], [0.001, 0.001]))
     steep.explored = cheap.explored
     assert steep.choose().budget < wide.budget

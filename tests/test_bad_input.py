@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny import make_drafter, make_target
+from tests.helpers.tiny import make_drafter, make_target
 
 from eyas import Engine, TreeError
 from eyas.errors import RequestError, VersionError
@@ -11,14 +11,14 @@ from eyas.request import RequestState, StopRules
 from eyas.rounds import start
 from eyas.sampling import SamplingParams
 from eyas.target import TargetSession
-from eyas.tree import TreePolicy
+from eyas.tree import TreePolicy, validate_tree
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     target = make_target(root / "t")
-    return Engine.from_pretrained(target, make_drafter(root / "d", target, "eagle1"), tree={"top_k": 3, "depth": 3, "budget": 8})
+    return Engine.from_pretrained(target, make_drafter(root / "d", target, "eagle1"), tree={"width": 3, "depth": 3, "budget": 8})
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,8 @@ def engine(tmp_path_factory):
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"seed": -1}, "seed"),
-        ({"tree": {"top_k": 0}}, "top_k"),
+        ({"tree": {"width": 0}}, "width"),
+        ({"tree": {"top_k": 4}}, "top_k"),
     ],
 )
 def test_nonsense_requests_are_refused_by_field(engine, kwargs, field):
@@ -55,24 +56,24 @@ def snapshot(target: TargetSession, draft: DraftSession):
     return (
         target.committed,
         target.version,
-        [layer.keys.clone() for layer in target.cache.layers],
+        [target.provisional, target.model.pool.kv[:, :, target.slot, :, : target.committed + target.provisional].clone()],
         draft.committed,
         draft.version,
-        None if draft.kv.keys is None else draft.kv.keys.clone(),
+        [draft.written, draft.model.pool.kv[:, :, draft.slot, :, : draft.written].clone()],
         list(draft.pending_tokens),
     )
 
 
 def assert_same(a, b):
     assert a[0:2] == b[0:2] and a[3:5] == b[3:5] and a[6] == b[6]
-    assert all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
-    assert (a[5] is None and b[5] is None) or torch.equal(a[5], b[5])
+    assert a[2][0] == b[2][0] and torch.equal(a[2][1], b[2][1])
+    assert a[5][0] == b[5][0] and torch.equal(a[5][1], b[5][1])
 
 
 @pytest.fixture
 def sessions(engine):
     request = RequestState("r", [4, 5, 6, 7, 8, 9], SamplingParams(), StopRules(32))
-    target, draft = TargetSession(engine.target), DraftSession(engine.drafter)
+    target, draft = TargetSession(engine.target), DraftSession(engine.draft)
     start(request, draft, target)
     return request, target, draft
 
@@ -86,7 +87,7 @@ def test_rejected_messages_change_no_state_and_a_valid_round_follows(engine, ses
     bad = proposal.tree
     bad.positions = bad.positions + 1
     with pytest.raises(TreeError, match="positions"):
-        target.verify(bad, 0, request.sampling)
+        validate_tree(bad, vocab_size=engine.target.vocab_size, prefix_len=target.committed)
     bad.positions = bad.positions - 1
     with pytest.raises(VersionError, match="future version 3"):
         target.verify(bad, 3, request.sampling)
@@ -132,4 +133,4 @@ def test_verify_of_a_retried_round_replaces_provisional_rows(engine, sessions):
     first = target.verify(proposal.tree, 0, request.sampling)
     second = target.verify(proposal.tree, 0, request.sampling)
     assert first.decision == second.decision
-    assert target.cache.get_seq_length() == target.committed + proposal.tree.num_rows
+    assert target.provisional == proposal.tree.num_rows

@@ -2,12 +2,17 @@
 
 import json
 
-from tiny import make_drafter, make_target
+from transformers import AutoModelForCausalLM
 
-from eyas.client.bench import Suite, run_bench, write_charts
+from tests.helpers.tiny import make_drafter, make_target
+
+from eyas import Engine
+from eyas.client.bench.harness import Suite, write_charts
+from eyas.client.bench.peers import DEFAULT_VLLM_K, K_SCAN_FILE, choose_vllm_k, run_bench
+from eyas.client.bench.runtime import batching, context_scaling, verify_phases
 
 
-def test_bench_record_has_every_system_and_ratio(tmp_path):
+def test_bench_record_has_every_system_and_ratio(tmp_path, capsys):
     target = make_target(tmp_path / "t")
     draft_lm = make_target(tmp_path / "lm", num_hidden_layers=1, seed=3)
     suite = Suite(
@@ -36,3 +41,30 @@ def test_bench_record_has_every_system_and_ratio(tmp_path):
     assert "efficiency_vs_ideal" in eyas and "tree_policy" in eyas
     charts = write_charts(result, tmp_path / "png")
     assert all(p.stat().st_size > 0 for p in charts)
+    progress = capsys.readouterr().err.splitlines()
+    steps = [line for line in progress if line.startswith("eyas bench: block ")]
+    assert len(steps) == 2 * len(entries)  # every system in each block, each step announced
+    assert all("left)" in line for line in steps[len(entries) :])  # from the second block on, with what is left
+    assert progress[-1].startswith("eyas bench: 2 blocks in ")
+
+
+def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
+    target = make_target(tmp_path / "t")
+    engine = Engine.from_pretrained(target, make_drafter(tmp_path / "e3", target, "eagle3"), tree={"width": 2, "depth": 2, "budget": 4})
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    phases = verify_phases(engine, hf, list(range(5, 25)), (1, 3), repeats=2)
+    assert [r["rows"] for r in phases["rows"]] == [1, 3] and phases["plain_step_ms"] > 0
+    assert all(r["verify_ms"] > 0 and r["layers_ms"] > 0 and r["decide_ms"] > 0 for r in phases["rows"])
+    scaling = context_scaling(engine, hf, [list(range(5, 15))], [list(range(5, 85))], max_new_tokens=6, repeats=2)
+    assert scaling["short"]["context"] == 10 and scaling["long"]["context"] == 80
+    assert scaling["goal_met"] == (scaling["round_ratio"] <= scaling["plain_step_ratio"])
+    batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6)
+    assert batch["identical_outputs"] and batch["requests"] == 3 and batch["batch_tokens_per_s"] > 0
+    assert engine.target.pool.free_slots == engine.target.pool.slots
+
+
+def test_vllm_k_is_the_one_given_else_the_last_scan_else_the_default(tmp_path):
+    assert choose_vllm_k(tmp_path, None) == (DEFAULT_VLLM_K, "default (no scan yet; --vllm-k-scan runs one)")
+    (tmp_path / K_SCAN_FILE).write_text(json.dumps({"best": 5, "tokens_per_s": {"5": 90.0}}))
+    assert choose_vllm_k(tmp_path, None) == (5, f"last scan ({tmp_path / K_SCAN_FILE})")
+    assert choose_vllm_k(tmp_path, 2) == (2, "given")

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import make_drafter, make_target
+from tests.helpers.tiny import make_drafter, make_target
 
 from eyas import Engine
 from eyas.drafters import CheckpointError, Eagle3Drafter, load_drafter, save_drafter

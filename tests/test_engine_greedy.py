@@ -6,12 +6,14 @@ force full, partial and off-first-branch acceptance so that every commit path is
 
 import pytest
 import torch
-from oracle import OracleDrafter
-from tiny import make_drafter, make_target
+from tests.helpers.oracle import OracleDrafter
+from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.drafters import drafter_config
+from eyas.publish import publish
+from eyas.rounds import start
 from eyas.tree import TreePolicy
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral"]
@@ -43,15 +45,15 @@ def family(request, tmp_path_factory):
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_random_drafter_greedy_equals_hugging_face_generate(family, kind):
     _, root, target, references = family
-    engine = Engine.from_pretrained(target, make_drafter(root / kind, target, kind), tree={"top_k": 4, "depth": 4, "budget": 12})
+    engine = Engine.from_pretrained(target, make_drafter(root / kind, target, kind), tree={"width": 4, "depth": 4, "budget": 12})
     for prompt, reference in zip(PROMPTS, references):
         gen = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert gen.token_ids == reference, f"prompt {prompt[:10]}"
         assert gen.finish_reason == "length"
 
 
-def oracle_engine(target_dir, reference, rank, tree):
-    engine = Engine.from_pretrained(target_dir, make_drafter(target_dir.parent / "oracle-base", target_dir))
+def oracle_engine(target_dir, reference, rank, tree, draft_ahead=0):
+    engine = Engine.from_pretrained(target_dir, make_drafter(target_dir.parent / "oracle-base", target_dir), draft_ahead=draft_ahead)
     engine.drafter = OracleDrafter(drafter_config("eagle1", engine.target.config), reference, rank)
     engine.tree = TreePolicy.from_dict(tree)
     return engine
@@ -61,7 +63,7 @@ def test_partially_right_drafter_keeps_greedy_exact_across_branches(family):
     """The true token sits at rank p % 5 of 4 candidates: accepted paths leave the first branch, or stop early."""
     _, _, target, references = family
     for prompt, reference in zip(PROMPTS, references):
-        engine = oracle_engine(target, prompt + reference, lambda p: p % 5, {"top_k": 4, "depth": 4, "budget": 16})
+        engine = oracle_engine(target, prompt + reference, lambda p: p % 5, {"width": 4, "depth": 4, "budget": 16})
         gen = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert gen.token_ids == reference
         assert len(gen.stats.accepted_length_histogram) > 2  # rounds accepted 0, 1 and more drafts
@@ -72,7 +74,7 @@ def test_oracle_drafter_accepts_full_depth_every_round(family, depth):
     """Proves publish loses nothing: target forwards per token = 1 / (depth + 1)."""
     _, _, target, references = family
     prompt, reference = PROMPTS[0], references[0]
-    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"top_k": 3, "depth": depth, "budget": 3 * depth})
+    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"width": 3, "depth": depth, "budget": 3 * depth})
     n = (depth + 1) * 8
     gen = engine.generate(prompt, max_new_tokens=n)
     assert gen.token_ids == reference[:n]
@@ -81,10 +83,47 @@ def test_oracle_drafter_accepts_full_depth_every_round(family, depth):
     assert gen.stats.target_forwards == 1 + 8  # one prefill, then one verification per round
 
 
+def test_draft_ahead_hits_and_misses_change_no_token(family):
+    """Trees drafted ahead during verification: an always-right oracle hits every round after the first (the
+    pre-built tree is verified as is); one that leaves the truth out now and then hits and misses; the tokens
+    equal the target's greedy decoding either way."""
+    _, _, target, references = family
+    prompt, reference = PROMPTS[0], references[0]
+    right = oracle_engine(target, prompt + reference, lambda p: 0, {"width": 3, "depth": 3, "budget": 9}, draft_ahead=2)
+    gen = right.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert gen.token_ids == reference
+    assert gen.stats.ahead_rounds == gen.stats.rounds - 1 and gen.stats.ahead_tokens == gen.stats.tokens - 4
+    for prompt, reference in zip(PROMPTS, references):
+        tree = {"width": 4, "depth": 4, "budget": 16}
+        partly = oracle_engine(target, prompt + reference, lambda p: 9 if p % 7 == 3 else 0, tree, draft_ahead=2)
+        gen = partly.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert gen.token_ids == reference
+        assert 0 < gen.stats.ahead_rounds < gen.stats.rounds - 1
+
+
+def test_a_tree_drafted_ahead_is_used_only_for_the_version_and_outcome_it_assumed(family):
+    _, _, target, references = family
+    prompt, reference = PROMPTS[0], references[0]
+    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"width": 2, "depth": 2, "budget": 4}, draft_ahead=3)
+    request = engine.new_request(prompt, max_new_tokens=12)
+    target_session, draft = engine.sessions(request)
+    start(request, draft, target_session)
+    proposal = draft.propose(0, request.root_token, engine.tree)
+    draft._settle_ahead()
+    assert draft.ahead and all(key[0] == 1 for key in draft.ahead)  # keyed to the next version only
+    verification = target_session.verify(proposal.tree, 0, request.sampling)
+    publish(request, verification.decision, verification.features, target_session, draft)
+    hit = draft.propose(1, request.root_token, engine.tree)
+    assert hit.assumed == (tuple(reference[:2]), reference[2]) and hit.tree.prefix_len == target_session.committed
+    draft._settle_ahead()
+    assert draft.ahead and all(key[0] == 2 for key in draft.ahead)  # the other version-1 trees are gone, never sent
+    target_session.close(), draft.close()
+
+
 def test_max_new_tokens_is_never_overshot_when_a_round_accepts_more(family):
     _, _, target, references = family
     prompt, reference = PROMPTS[0], references[0]
-    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"top_k": 2, "depth": 5, "budget": 10})
+    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"width": 2, "depth": 5, "budget": 10})
     for n in (1, 2, 5, 7, 13):
         gen = engine.generate(prompt, max_new_tokens=n)
         assert gen.token_ids == reference[:n]

@@ -1,4 +1,4 @@
-"""The executable fixtures of design reference 0x09: row plan, loss weighting, tree budget, publication."""
+"""The executable fixtures of docs/round.md and docs/rows.md: row plan, loss weighting, tree budget, publication."""
 
 import pytest
 import torch
@@ -49,7 +49,7 @@ def test_tree_fixture_budget_four_selects_a_a1_b_b1():
 
 
 def test_publication_fixture_rows_0_2_and_append_required_frontier(tmp_path):
-    from tiny import make_target
+    from tests.helpers.tiny import make_target
 
     target = TargetModel.from_pretrained(make_target(tmp_path / "t"))
     session = TargetSession(target)
@@ -59,7 +59,7 @@ def test_publication_fixture_rows_0_2_and_append_required_frontier(tmp_path):
     tree.add_children([0], [(0, 9, 0.5), (0, 10, 0.4)])
     flat = flatten(tree, tree.select(2), prefix_len=3)
     session.verify(flat, 0, SamplingParams())
-    verified_keys = [layer.keys.clone() for layer in session.cache.layers]
+    verified = session.model.pool.kv[:, :, session.slot, :, : 3 + flat.num_rows].clone()  # [L, 2, KVH, rows, hd]
 
     decision = AcceptanceDecision(accepted_rows=(0, 2), accepted_tokens=(10,), frontier_token=42, frontier_prob=1.0)
     request = RequestState("r", [4, 5, 6, 7, 8], SamplingParams(), StopRules(16))
@@ -73,6 +73,6 @@ def test_publication_fixture_rows_0_2_and_append_required_frontier(tmp_path):
     assert emitted == [10, 42]
     assert request.root_token == 42  # frontier emitted, marked target-append-required
     assert session.committed == 3 + 2 and session.version == 1
-    for before, layer in zip(verified_keys, session.cache.layers):
-        assert torch.equal(layer.keys, before[:, :, [0, 1, 2, 3, 5]])  # prefix + flat rows [0, 2]
+    kept = session.model.pool.kv[:, :, session.slot, :, : session.committed]
+    assert torch.equal(kept, verified[:, :, :, [0, 1, 2, 3, 5]])  # prefix + flat rows [0, 2]
     assert reseeded == [(0, 2, [10, 42])]

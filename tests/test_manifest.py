@@ -1,10 +1,10 @@
-"""Manifest contract (0x01A): a drafter runs only on the target fingerprint and feature address it was built for."""
+"""Manifest contract (docs/manifest.md): a drafter runs only on the target fingerprint and feature address it was built for."""
 
 import json
 import shutil
 
 import pytest
-from tiny import add_tokenizer, make_drafter, make_target
+from tests.helpers.tiny import add_tokenizer, make_drafter, make_target
 
 from eyas import Engine, FeatureAddress, Manifest, ManifestMismatch
 

@@ -7,7 +7,7 @@ Drafting and verification run on different nodes and the output is still the tar
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from servicekit import build_models, hf_greedy, service_config
+from tests.helpers.servicekit import build_models, hf_greedy, service_config
 
 from eyas.client.client import Client
 from eyas.cluster.service import Service

@@ -1,25 +1,22 @@
 """`eyas serve` end to end: a subprocess with an embedded Ray instance, its ready line, the client and the CLI.
 
-The service is configured with a shared token, so the test also shows that a call without it is refused.
+The service is configured with a shared token, so the test also shows that a call without it is refused. Its
+embedded Ray has 2 CPUs and each of its two workers reserves one, so the cluster is full.
 """
 
 import json
-import queue
+import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 
 import grpc
 import pytest
-import yaml
-from servicekit import TREE, build_models, engine_outputs
+from tests.helpers.servicekit import EYAS, TREE, build_models, engine_outputs, start_serve
 
 from eyas import Engine
 from eyas.client.client import Client, EyasError
 
-EYAS = [sys.executable, "-m", "eyas.client.cli"]
 TOKEN = "serve-test-token"
 
 
@@ -27,31 +24,15 @@ TOKEN = "serve-test-token"
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     target, drafter = build_models(root)
-    config = {
-        "models": {"target": str(target), "drafter": str(drafter)},
-        "tree": TREE,
-        "network": {"token": TOKEN},
-        "ray": {"num_cpus": 2},
-    }
-    (root / "service.yaml").write_text(yaml.safe_dump(config))
-    with (root / "serve.log").open("w") as log:
-        proc = subprocess.Popen([*EYAS, "serve", "--config", str(root / "service.yaml"), "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] and lines.put(None), daemon=True).start()
-    try:
-        ready = lines.get(timeout=240)
-    except queue.Empty:
-        proc.kill()
-        pytest.fail(f"eyas serve printed nothing within 240s; log: {(root / 'serve.log').read_text()[-2000:]}")
-    match = re.fullmatch(r"eyas ready at (127\.0\.0\.1:\d+)\n", ready or "")
-    assert match, f"unexpected ready line {ready!r}; log: {(root / 'serve.log').read_text()[-2000:]}"
-    yield {"address": match.group(1), "proc": proc, "lines": lines, "root": root, "engine": Engine.from_pretrained(target, drafter, tree=TREE)}
+    serve = start_serve(root, target, drafter, network={"token": TOKEN})
+    proc = serve.proc
+    yield {"address": serve.address, "proc": proc, "lines": serve.lines, "root": root, "engine": Engine.from_pretrained(target, drafter, tree=TREE)}
     if proc.poll() is None:
         proc.kill()
 
 
-def eyas(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*EYAS, *args], capture_output=True, text=True, timeout=120)
+def eyas(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*EYAS, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
 
 
 def test_a_call_without_the_shared_token_is_refused(served):
@@ -83,8 +64,51 @@ def test_client_and_cli_talk_to_the_served_front_door(served):
     assert [results[str(i)] for i in range(3)] == engine_outputs(engine, [[5 + i, 9] for i in range(3)], [6] * 3)
 
 
-def test_serve_stops_cleanly_on_interrupt_after_printing_one_line(served):
+def test_generate_without_server_uses_the_service_at_the_default_address(served):
+    done = eyas("generate", "--prompt", "w5 w17 w33", "--max-new-tokens", "12", "--json", EYAS_SERVER=served["address"], EYAS_TOKEN=TOKEN)
+    assert done.returncode == 0, done.stderr
+    assert f"using the eyas service at {served['address']}" in done.stderr
+    assert json.loads(done.stdout)["token_ids"] == served["engine"].generate("w5 w17 w33", max_new_tokens=12).token_ids
+
+
+def test_status_says_where_ray_is_and_survives_a_closed_pipe(served):
+    status = eyas("status", "--server", served["address"], "--token", TOKEN)
+    assert status.returncode == 0, status.stderr
+    ray_line = status.stdout.splitlines()[-1]
+    assert re.fullmatch(r"ray: (\S+:\d+) \(`ray status --address \1`\)", ray_line), ray_line
+    assert "ray: an embedded Ray instance at " + ray_line.split()[1] in (served["root"] / "serve.log").read_text()
+
+    proc = subprocess.Popen([*EYAS, "status", "--server", served["address"], "--token", TOKEN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # as `eyas status | head -0` would
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == ""
+
+
+def test_a_scale_the_cluster_can_never_hold_fails_at_once_naming_what_is_missing(served):
+    done = eyas("scale", "--draft", "2", "--server", served["address"], "--token", TOKEN)
+    assert done.returncode == 1
+    error = done.stderr.splitlines()[-1]
+    assert error.startswith("eyas scale: error: RESOURCE_EXHAUSTED: pools: pools.draft: 1 more worker(s) of 1 CPU need 1 CPU;"), error
+    assert re.search(r"the cluster has 2 CPU in all, 2 CPU held by eyas-draft-0-\w+, eyas-target-0-\w+: 1 CPU missing", error), error
+    status = json.loads(eyas("status", "--server", served["address"], "--token", TOKEN, "--json").stdout)
+    assert [(p["name"], p["size"], len(p["workers"])) for p in status["pools"]] == [("draft", 1, 1), ("target", 1, 1)]
+
+
+def test_a_second_serve_on_the_same_port_is_refused_naming_it(served):
+    port = served["address"].rsplit(":", 1)[1]
+    done = eyas("serve", "--config", str(served["root"] / "service.yaml"), "--port", port)
+    assert done.returncode == 1 and done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"eyas serve: error: port: 127.0.0.1:{port} is in use (another eyas serve?); choose another with --port"], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_shows_its_progress_and_stops_cleanly_on_sigterm_after_printing_one_line(served):
     proc = served["proc"]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     assert served["lines"].get(timeout=10) is None, "eyas serve printed more than its ready line"
+    log = (served["root"] / "serve.log").read_text()
+    assert "Traceback" not in log and "Token authentication" not in log, log
+    for progress in ("eyas serve: starting 1 draft and 1 target worker(s)", "eyas serve: pools.draft: draft-0 loading its models", "eyas serve: pools.target: target-0 ready at 127.0.0.1:"):
+        assert progress in log, log

@@ -2,7 +2,8 @@
 
 One real Ray instance, a service with two draft and two target workers on tiny models, and the
 Python client over gRPC. Greedy output must equal the in-process engine and Hugging Face greedy
-decoding token for token; sampled output with a fixed seed must equal the in-process engine.
+decoding token for token; sampled output with a fixed seed must equal the in-process engine's plain
+(non-speculative) sampling with that seed.
 """
 
 import json
@@ -13,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
-from servicekit import TREE, build_models, engine_outputs, hf_greedy, service_config, wait_until
+from tests.helpers.servicekit import TREE, build_models, engine_outputs, hf_greedy, service_config, wait_until
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from eyas import Engine
 from eyas.client.cli import format_status
 from eyas.client.client import Client, EyasError
+from eyas.client.jobs import run_job
 from eyas.cluster.service import Service
 
 rng = random.Random(4)
@@ -31,7 +33,8 @@ LENGTHS = [8 + (7 * i) % 33 for i in range(len(PROMPTS))]
 def svc(tmp_path_factory):
     ray.init(num_cpus=6, include_dashboard=False)
     target, drafter = build_models(tmp_path_factory.mktemp("service"))
-    sections = {"service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "metrics_port": 0}}
+    # every test here runs with the workers' continuous batching and with drafting ahead on
+    sections = {"service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "metrics_port": 0, "draft_ahead": 2}}
     service = Service(service_config(target, drafter, draft=2, targets=2, **sections), port=0).start()
     client = Client(service.address)
     engine = Engine.from_pretrained(target, drafter, tree=TREE)
@@ -85,7 +88,7 @@ def test_prometheus_metrics_agree_with_the_status_and_the_rounds_served(svc):
     assert "acceptance by draft confidence (bucket upper edge): " in shown and f"metrics: http://{host_port}/metrics" in shown
 
 
-def test_sampled_output_with_a_fixed_seed_equals_engine(svc):
+def test_sampled_output_with_a_fixed_seed_equals_plain_sampling(svc):
     options = [
         {"temperature": 0.7, "seed": 1},
         {"temperature": 1.0, "seed": 2, "top_p": 0.9},
@@ -97,7 +100,7 @@ def test_sampled_output_with_a_fixed_seed_equals_engine(svc):
     prompts, lengths = PROMPTS[:6], [24] * 6
     results = run_concurrently(svc["client"], [{"prompt": p, "max_new_tokens": n, **o} for p, n, o in zip(prompts, lengths, options)])
     for result, prompt, n, o in zip(results, prompts, lengths, options):
-        assert result.token_ids == svc["engine"].generate(prompt, max_new_tokens=n, **o).token_ids
+        assert result.token_ids == svc["engine"].generate(prompt, max_new_tokens=n, speculate=False, **o).token_ids
 
 
 def test_stream_yields_each_round_as_it_commits(svc):
@@ -109,7 +112,7 @@ def test_stream_yields_each_round_as_it_commits(svc):
     last = chunks[-1]
     assert last.finish_reason == "length" and last.stats["rounds"] == len(rounds) and last.stats["tokens"] == 30
     assert "".join(c.text for c in chunks) == svc["engine"].target.tokenizer.decode(tokens)
-    assert set(last.stats["service_seconds"]) == {"compute", "rpc", "serialize", "queue", "coordinator", "rebuild"}
+    assert set(last.stats["service_seconds"]) == {"compute", "rpc", "serialize", "queue", "batch", "coordinator", "rebuild"}
 
 
 def test_text_prompts_and_stop_strings_behave_as_in_process(svc):
@@ -133,7 +136,7 @@ def test_text_prompts_and_stop_strings_behave_as_in_process(svc):
         ({"top_p": 0.0}, "INVALID_ARGUMENT", "top_p"),
         ({"top_k": -3}, "INVALID_ARGUMENT", "top_k"),
         ({"seed": -1}, "INVALID_ARGUMENT", "seed"),
-        ({"tree": {"top_k": 4, "depth": 4, "budget": 99}}, "INVALID_ARGUMENT", "tree.budget"),
+        ({"tree": {"width": 4, "depth": 4, "budget": 99}}, "INVALID_ARGUMENT", "tree.budget"),
         ({"manifest_id": "0123456789abcdef"}, "FAILED_PRECONDITION", "manifest_id"),
     ],
 )
@@ -175,7 +178,7 @@ def test_batch_job_reports_bad_lines_keeps_going_and_resumes(svc, tmp_path):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(b"\n".join(lines) + b"\n")
 
-    report = svc["client"].submit_job(source, out, progress=False)
+    report = run_job(svc["client"], source, out, progress=False)
     errors = {e["line"]: e for e in report.errors}
     assert report.written == 5 and sorted(errors) == [4, 5, 6, 7, 8, 9]
     assert (errors[4]["code"], errors[4]["field"]) == ("INVALID_ARGUMENT", "prompt")
@@ -191,7 +194,7 @@ def test_batch_job_reports_bad_lines_keeps_going_and_resumes(svc, tmp_path):
     with out.open("a") as f:
         f.write('{"id": "torn", "tok')  # an interrupted run leaves a torn last line
     source.write_bytes(source.read_bytes() + json.dumps({"id": "late", "prompt": PROMPTS[6], "max_new_tokens": 5}).encode() + b"\n")
-    again = svc["client"].submit_job(source, out, progress=False)
+    again = run_job(svc["client"], source, out, progress=False)
     assert (again.written, again.skipped, len(again.errors)) == (1, 6, 5)  # line 9 repeats g0, which is done
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == sorted([*written, "late"])
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from oracle import OracleDrafter
-from tiny import add_tokenizer, make_drafter, make_target
+from tests.helpers.oracle import OracleDrafter
+from tests.helpers.tiny import add_tokenizer, make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
     reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)[0, 8:].tolist()
     engine = Engine.from_pretrained(target, make_drafter(root / "d", target))
     engine.drafter = OracleDrafter(drafter_config("eagle1", engine.target.config), PROMPT + reference)
-    engine.tree = TreePolicy.from_dict({"top_k": 2, "depth": 6, "budget": 12})
+    engine.tree = TreePolicy.from_dict({"width": 2, "depth": 6, "budget": 12})
     return engine, reference
 
 
@@ -35,13 +35,13 @@ def first_new_token_index(reference):
 def test_eos_ends_the_output_inclusively(setup):
     engine, reference = setup
     i = first_new_token_index(reference)
-    engine.target.model.generation_config.eos_token_id = reference[i]
+    engine.target.generation_config.eos_token_id = reference[i]
     try:
         gen = engine.generate(PROMPT, max_new_tokens=40)
         assert gen.token_ids == reference[: i + 1] and gen.finish_reason == "eos"
         assert engine.generate(PROMPT, max_new_tokens=40, stop_at_eos=False).token_ids == reference
     finally:
-        engine.target.model.generation_config.eos_token_id = None
+        engine.target.generation_config.eos_token_id = None
 
 
 def test_stop_string_ends_the_output_at_the_token_completing_it(setup):

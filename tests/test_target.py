@@ -1,69 +1,121 @@
-"""Target adapter contract: taps at the declared address, tree rows equal their paths, KV commit, MoE experts."""
+"""The target on eyas's runtime against Hugging Face: logits and features for prefill, tree rows on a committed
+prefix and after several commits, on all five families; KV commit; MoE experts; batches of sessions.
+
+Tolerance: float32 throughout, logits and features within 1e-5 absolute of Hugging Face's.
+"""
 
 import pytest
 import torch
-from tiny import make_target
+from tests.helpers.tiny import make_target, random_tree
 from transformers import AutoModelForCausalLM
 
 from eyas.manifest import FeatureAddress
+from eyas.runtime import KVCapacityError
 from eyas.sampling import SamplingParams
 from eyas.target import TargetModel, TargetSession
 from eyas.tree import DraftTree, flatten
 
 PROMPT = [5, 17, 33, 8, 9, 41]
+ATOL = 1e-5
+FAMILIES = {
+    "llama": {},
+    "llama-tied": {"tie_word_embeddings": True},
+    "qwen2": {},
+    "qwen3": {},
+    "mistral-window": {"sliding_window": 4},
+    "mixtral": {},
+}
 
 
-def random_tree(root, prefix_len, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    tree = DraftTree(root)
-    expanded = [0]
-    for depth in range(3):
-        if depth:
-            expanded = tree.expandable(3)
-        children = []
-        for node in expanded:
-            tokens = torch.randperm(90, generator=generator)[:3].tolist()
-            children += [(node, t, 0.3) for t in tokens]
-        tree.add_children(expanded, children)
-    return flatten(tree, tree.select(10), prefix_len)
-
-
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mixtral"])
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_tree_rows_equal_a_plain_forward_of_their_paths(tmp_path, model_type, kind):
-    directory = make_target(tmp_path / "t", model_type)
-    hf = AutoModelForCausalLM.from_pretrained(directory)
+def build(tmp_path, family, kind="eagle3"):
+    model_type = family.split("-")[0]
+    directory = make_target(tmp_path / family, model_type, **FAMILIES[family])
+    hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
     address = FeatureAddress.eagle1() if kind == "eagle1" else FeatureAddress.eagle3(4)
-    target = TargetModel.from_pretrained(directory, address)
+    return hf, TargetModel.from_pretrained(directory, address)
+
+
+def reference(hf, tokens, kind="eagle3"):
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens]), output_hidden_states=True)
+    if kind == "eagle1":
+        features = ref.hidden_states[-1][0]  # after the final norm
+    else:
+        features = torch.cat([ref.hidden_states[i][0] for i in (2, 2, 1)], dim=-1)  # inputs of layers 2, N//2, N-3
+    return ref.logits[0], features
+
+
+def verify_rows(target, session, flat):
+    return target.run([target.call(session.slot, session.committed, flat.tokens, flat.positions, flat.mask)])[0]
+
+
+def check_tree(hf, target, session, committed_tokens, flat, kind="eagle3"):
+    out = verify_rows(target, session, flat)
+    for row in range(flat.num_rows):
+        logits, features = reference(hf, committed_tokens + flat.tokens[flat.path_to(row)].tolist(), kind)
+        assert torch.allclose(out.logits[row], logits[-1], atol=ATOL)
+        assert torch.allclose(out.features[row], features[-1], atol=ATOL)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_tree_rows_and_commits_equal_hugging_face(tmp_path, family):
+    hf, target = build(tmp_path, family)
+    session = TargetSession(target)
+    features = session.prefill(0, PROMPT[:-1])
+    assert torch.allclose(features, reference(hf, PROMPT[:-1])[1], atol=ATOL)
+    committed = list(PROMPT[:-1])
+    root = PROMPT[-1]
+    for version in range(3):  # tree rows on the committed prefix, then after each of several commits
+        flat = random_tree(root, len(committed), seed=version)
+        check_tree(hf, target, session, committed, flat)
+        session.verify(flat, version, SamplingParams())
+        path = flat.path_to(flat.num_rows - 1 - version)
+        session.commit(version, tuple(path))
+        committed += flat.tokens[path].tolist()
+        root = (root * 7 + 3) % 90
+    session.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_eagle1_address_taps_the_final_norm_output(tmp_path, family):
+    hf, target = build(tmp_path, family, kind="eagle1")
     session = TargetSession(target)
     session.prefill(0, PROMPT[:-1])
-    flat = random_tree(PROMPT[-1], len(PROMPT) - 1)
-    out = target.forward(flat.tokens, flat.positions, flat.mask, session.cache)
-    for row in range(flat.num_rows):
-        path = flat.tokens[flat.path_to(row)].tolist()
-        with torch.no_grad():
-            ref = hf(torch.tensor([PROMPT[:-1] + path]), output_hidden_states=True)
-        assert torch.allclose(out.logits[row], ref.logits[0, -1], atol=1e-5)
-        if kind == "eagle1":
-            expected = ref.hidden_states[-1][0, -1]  # after the final norm
-        else:
-            expected = torch.cat([ref.hidden_states[i][0, -1] for i in (2, 2, 1)])  # inputs of layers 2, N//2, N-3
-        assert torch.allclose(out.features[row], expected, atol=1e-5)
+    check_tree(hf, target, session, PROMPT[:-1], random_tree(PROMPT[-1], len(PROMPT) - 1), kind="eagle1")
 
 
 def test_commit_keeps_exactly_the_accepted_rows_kv(tmp_path):
-    directory = make_target(tmp_path / "t")
-    target = TargetModel.from_pretrained(directory)
+    target = TargetModel.from_pretrained(make_target(tmp_path / "t"))
     session = TargetSession(target)
     session.prefill(0, PROMPT[:-1])
     flat = random_tree(PROMPT[-1], len(PROMPT) - 1)
     session.verify(flat, 0, SamplingParams())
     path = flat.path_to(flat.num_rows - 1)
     session.commit(0, tuple(path))
-    reference = TargetSession(target)
-    reference.prefill(0, PROMPT[:-1] + flat.tokens[path].tolist())
-    for mine, ref in zip(session.cache.layers, reference.cache.layers):
-        assert torch.allclose(mine.keys, ref.keys, atol=1e-5) and torch.allclose(mine.values, ref.values, atol=1e-5)
+    reference_session = TargetSession(target)
+    reference_session.prefill(0, PROMPT[:-1] + flat.tokens[path].tolist())
+    n = session.committed
+    assert n == reference_session.committed
+    mine = target.pool.kv[:, :, session.slot, :, :n]
+    theirs = target.pool.kv[:, :, reference_session.slot, :, :n]
+    assert torch.allclose(mine, theirs, atol=ATOL)
+
+
+def test_a_batch_of_sessions_equals_each_session_alone(tmp_path):
+    hf, target = build(tmp_path, "qwen2")
+    prompts = [PROMPT[:-1], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [44]]
+    sessions = [TargetSession(target) for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.prefill(0, prompt)
+    trees = [random_tree(7 + i, len(p), seed=i) for i, p in enumerate(prompts)]
+    alone = [verify_rows(target, s, t) for s, t in zip(sessions, trees)]
+    calls = [target.call(s.slot, s.committed, t.tokens, t.positions, t.mask) for s, t in zip(sessions, trees)]
+    batched = target.run(calls[::-1])[::-1]  # slots out of order: the batch gathers them
+    for one, many, prompt, tree in zip(alone, batched, prompts, trees):
+        assert torch.allclose(one.logits, many.logits, atol=ATOL) and torch.allclose(one.features, many.features, atol=ATOL)
+        assert torch.equal(one.logits.argmax(-1), many.logits.argmax(-1))
+        logits, _ = reference(hf, prompt + [int(tree.tokens[0])])
+        assert torch.allclose(many.logits[0], logits[-1], atol=ATOL)
 
 
 def test_moe_verification_reports_the_union_of_routed_experts(tmp_path):
@@ -90,13 +142,25 @@ def test_moe_verification_reports_the_union_of_routed_experts(tmp_path):
 
 
 def test_sliding_window_enters_the_mask(tmp_path):
-    directory = make_target(tmp_path / "t", "mistral", sliding_window=4)
-    target = TargetModel.from_pretrained(directory)
-    mask = target.attention_mask(torch.ones(2, 2, dtype=torch.bool).tril(), torch.tensor([6, 7]), prefix_len=6)
-    assert mask[0, 0].int().tolist() == [[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1, 1]]
+    target = TargetModel.from_pretrained(make_target(tmp_path / "t", "mistral", sliding_window=4))
+    mask = target.visible(torch.ones(2, 2, dtype=torch.bool).tril(), torch.tensor([6, 7]), prefix_len=6)
+    assert mask.int().tolist() == [[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1, 1]]
 
 
 def test_feature_layers_outside_the_target_are_refused(tmp_path):
     directory = make_target(tmp_path / "t")
     with pytest.raises(ValueError, match="layer 9"):
         TargetModel.from_pretrained(directory, FeatureAddress("layer_inputs", (1, 9)))
+
+
+def test_the_pool_refuses_what_does_not_fit_and_returns_every_slot(tmp_path):
+    target = TargetModel.from_pretrained(make_target(tmp_path / "t"), kv_slots=2, max_seq_len=16)
+    first, second = TargetSession(target), TargetSession(target)
+    with pytest.raises(KVCapacityError, match="all 2 slots"):
+        TargetSession(target)
+    with pytest.raises(KVCapacityError, match="slot_len"):
+        first.prefill(0, list(range(1, 80)) * 4)  # 316 positions in slots of 16 + tree headroom
+    assert first.committed == 0 and target.pool.free_slots == 0
+    first.close()
+    second.close()
+    assert target.pool.free_slots == 2

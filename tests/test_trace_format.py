@@ -22,12 +22,12 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 def start(request="r1"):
     return RequestStart(request, [5, 6, 7], {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0},
                         {"max_new_tokens": 4, "eos_token_ids": [2], "stop_strings": []},
-                        {"top_k": 4, "depth": 3, "budget": 8}, "m" * 16, None, "local", 1.5)
+                        {"width": 4, "depth": 3, "budget": 8}, "m" * 16, None, "local", 1.5)
 
 
 def round_(n, request="r1"):
-    return Round(request, n, n, "m" * 16, b"tree\x00" * (n + 1), b"decision" * n, {"top_k": 4, "depth": 3, "budget": 8},
-                 {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "seed": 3}, [0.25 * n, 0.5], [10 + n],
+    return Round(request, n, n, "m" * 16, b"tree\x00" * (n + 1), b"decision" * n, {"width": 4, "depth": 3, "budget": 8},
+                 {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "seed": 3}, [10 + n],
                  {"draft": 0.01, "verify": 0.02}, {}, 3, 9)
 
 
@@ -120,6 +120,15 @@ def test_an_unknown_format_version_is_reported_not_misread(trace_file):
         TraceWriter(trace_file)
 
 
+def test_a_version_1_trace_is_refused_naming_its_format_version(trace_file):
+    data = trace_file.read_bytes()
+    trace_file.write_bytes(MAGIC + struct.pack("<H", 1) + data[len(HEADER) :])
+    with pytest.warns(TraceWarning, match=f"byte {len(MAGIC)}: format version 1 is no longer read .*version 2"):
+        assert read_trace(trace_file).records == []
+    with pytest.raises(TraceFormatError, match="format version 1"):
+        TraceWriter(trace_file)
+
+
 def test_a_file_that_is_not_a_trace_is_reported_and_never_appended_to(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello, this is not a trace\n")
@@ -147,7 +156,7 @@ def test_valid_frames_with_bad_records_are_skipped_and_reading_goes_on(tmp_path)
         frame(b"\xc1"),  # not msgpack
         frame(msgpack.packb([1, 2])),  # not a map
         frame(msgpack.packb({"kind": "round", "request": "r1"})),  # fields missing
-        frame(msgpack.packb({**msgpack.unpackb(encode(round_(0))[FRAME.size :]), "draws": ["x"]})),  # wrong type
+        frame(msgpack.packb({**msgpack.unpackb(encode(round_(0))[FRAME.size :]), "emitted": [0.5]})),  # wrong type
         frame(msgpack.packb({"kind": "future-kind", "x": 1})),  # a kind from a later writer
     ]
     with TraceWriter(path) as writer:
@@ -156,7 +165,7 @@ def test_valid_frames_with_bad_records_are_skipped_and_reading_goes_on(tmp_path)
     assert trace.records == RECORDS[:2]
     messages = [p.message for p in trace.problems]
     assert len(messages) == 5 and "not msgpack" in messages[0] and "not a map" in messages[1]
-    assert "no 'round'" in messages[2] and "'draws' is not list[float]" in messages[3] and "unknown kind" in messages[4]
+    assert "no 'round'" in messages[2] and "'emitted' is not list[int]" in messages[3] and "unknown kind" in messages[4]
 
 
 damage = st.lists(
@@ -206,7 +215,7 @@ values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-field_names = st.sampled_from(["kind", "request", "round", "version", "tree", "decision", "draws", "emitted", "prompt_ids", "x"])
+field_names = st.sampled_from(["kind", "request", "round", "version", "tree", "decision", "sampling", "emitted", "prompt_ids", "x"])
 
 
 @FUZZ

@@ -6,7 +6,7 @@ must not call the trace identical.
 """
 
 import pytest
-from servicekit import TREE, build_models
+from tests.helpers.servicekit import TREE, build_models
 
 from eyas import Engine, wire
 from eyas.client.cli import main
@@ -62,7 +62,7 @@ BREAKS = {
     "path": (0, lambda r: edit_decision(r, accept_a_grandchild)),
     "output": (0, lambda r: setattr(r, "emitted", [r.emitted[0] ^ 1])),
     "versions": (0, lambda r: setattr(r, "version", r.version + 7)),
-    "draws": (1, lambda r: setattr(r, "draws", r.draws[::-1] + [0.5])),
+    "sampling": (1, lambda r: setattr(r, "sampling", {**r.sampling, "seed": r.sampling["seed"] + 1})),
     "manifest": (0, lambda r: edit_tree(r, lambda t, m: setattr(m.ref, "manifest_id", "0" * 16))),
     "messages": (0, lambda r: setattr(r, "tree", r.tree[:10])),
 }

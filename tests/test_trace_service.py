@@ -2,7 +2,7 @@
 
 Requests recorded while several ran at once on one target worker have replayed with probabilities one
 float32 rounding apart on some machines, so those are compared within the replay tolerance (1e-6);
-tokens, rows, accepted paths and draws always exactly. A request served alone replays bit for bit.
+tokens, rows and accepted paths always exactly. A request served alone replays bit for bit.
 
 One Ray instance and one service (tiny models, real gRPC on 127.0.0.1) recording every request to a
 trace file, as `eyas serve --trace` does; the Python client also asks for single-request traces.
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
-from servicekit import TREE, build_models, service_config
+from tests.helpers.servicekit import TREE, build_models, service_config
 
 from eyas import Engine
 from eyas.client.cli import main
@@ -85,9 +85,10 @@ def test_a_sampled_service_run_replays_bit_for_bit(svc):
     path = svc["root"] / "sampled.trace"
     options = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.2, "top_p": 0.9, "top_k": 30, "seed": 12}]
     for o in options:
-        svc["client"].generate([5, 9, 5, 9, 5], max_new_tokens=24, trace=path, **o)
+        served = svc["client"].generate([5, 9, 5, 9, 5], max_new_tokens=24, trace=path, **o)
+        assert served.token_ids == svc["engine"].generate([5, 9, 5, 9, 5], max_new_tokens=24, speculate=False, **o).token_ids
     trace = read_trace(path)
-    assert all(rnd.draws for request in trace.requests for rnd in request.rounds)
+    assert all(rnd.sampling["seed"] in (11, 12) for request in trace.requests for rnd in request.rounds)
     report = replay_trace(trace, svc["engine"].target, tolerance=0.0)
     assert report.bit_exact and report.rounds == sum(len(r.rounds) for r in trace.requests), report.lines()
 
@@ -164,7 +165,7 @@ def test_eyas_generate_traces_through_the_service_and_in_process(svc, capsys):
     remote, local = svc["root"] / "cli-remote.trace", svc["root"] / "cli-local.trace"
     common = ["--prompt", "w5 w17 w33", "--max-new-tokens", "10", "--json"]
     assert main(["generate", "--server", svc["service"].address, "--trace", str(remote), *common]) == 0
-    models = ["--target", str(svc["target"]), "--drafter", str(svc["drafter"]), "--top-k", "4", "--depth", "4", "--budget", "12"]
+    models = ["--target", str(svc["target"]), "--drafter", str(svc["drafter"]), "--tree-width", "4", "--depth", "4", "--budget", "12"]
     assert main(["generate", "--local", *models, "--trace", str(local), *common]) == 0
     capsys.readouterr()
     assert main(["trace", "diff", str(remote), str(local)]) == 0

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 import pytest
-from servicekit import TREE, build_models
+from tests.helpers.servicekit import TREE, build_models
 
 from eyas import Engine, wire
 from eyas.client.cli import main

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
-from tiny import add_tokenizer, make_target
+from tests.helpers.tiny import add_tokenizer, make_target
 
 from eyas.train.distributed import fit_distributed
 from eyas.train.recipe import Recipe

@@ -1,4 +1,4 @@
-"""Objective contracts (0x04, 0x07A, 0x08C): loss values, unnormalised Top-K, noise, ownership and dtype."""
+"""Objective contracts (docs/training.md): loss values, unnormalised Top-K, noise, ownership and dtype."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Rollout contract (HASS 0x07B, EAGLE-3 0x08C): training-time steps see exactly what drafting will see.
+"""Rollout contract (docs/training.md#hass, #eagle-3): training-time steps see exactly what drafting will see.
 
 The mask is checked as a dependency graph, and the rollout's outputs are checked against the
 drafter's own tree proposals on the same path.
@@ -6,13 +6,14 @@ drafter's own tree proposals on the same path.
 
 import pytest
 import torch
-from tiny import make_drafter, make_target
+from tests.helpers.tiny import make_drafter, make_target
 
 from eyas.drafters import load_drafter
 from eyas.manifest import FeatureAddress
-from eyas.proposer import DraftSession
+from eyas.proposer import DraftModel, DraftSession
 from eyas.target import TargetModel, TargetSession
 from eyas.train.data import segment_causal_mask
+from eyas.train.features import teacher_features
 from eyas.train.objectives import rollout_states
 from eyas.train.rollout import rollout_mask, step_supervised, step_valid
 from eyas.train.rows import compile_rows, gather_rows
@@ -76,9 +77,9 @@ def test_rollout_outputs_equal_the_drafters_tree_proposals(tmp_path, kind):
     t = len(prompt) - 2
     tsession = TargetSession(target)
     features = tsession.prefill(0, prompt[:-1])
-    dsession = DraftSession(drafter)
+    dsession = DraftSession(DraftModel(drafter, 1, target.max_seq_len))
     dsession.start(0, features, prompt[1:])
-    tree = dsession.propose(0, prompt[-1], TreePolicy(top_k=1, depth=4, budget=4)).tree
+    tree = dsession.propose(0, prompt[-1], TreePolicy(width=1, depth=4, budget=4)).tree
     chain = tree.tokens[1:].tolist()
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
 
@@ -86,7 +87,7 @@ def test_rollout_outputs_equal_the_drafters_tree_proposals(tmp_path, kind):
     tokens = torch.tensor([prompt + chain])
     n = tokens.shape[1]
     valid, segment, position = torch.ones(1, n, dtype=torch.bool), torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None]
-    feats, _ = target.teacher(tokens, position, segment_causal_mask(valid, segment))
+    feats, _ = teacher_features(target, tokens, position, segment_causal_mask(valid, segment))
     plan = compile_rows(valid, segment, position, torch.ones(1, n))
     rows = gather_rows(plan, tokens, feats)
     with torch.no_grad():

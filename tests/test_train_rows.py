@@ -1,4 +1,4 @@
-"""Row compiler contract (0x02A): boundary-valid rows before any gather, padding, packing, supervision."""
+"""Row compiler contract (docs/rows.md): boundary-valid rows before any gather, padding, packing, supervision."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""EAGLE-2 tree contract (0x06): knobs, validation errors, ancestor-closed selection, flatten invariants."""
+"""EAGLE-2 tree contract (docs/tree.md): knobs, validation errors, ancestor-closed selection, flatten invariants."""
 
 import math
 
@@ -13,12 +13,13 @@ from eyas.tree import DraftTree, TreeError, TreePolicy, ancestry_mask, flatten, 
 @pytest.mark.parametrize(
     "knobs, field",
     [
-        ({"top_k": 0}, "top_k"),
-        ({"top_k": 2.0}, "top_k"),
+        ({"width": 0}, "width"),
+        ({"width": 2.0}, "width"),
+        ({"top_k": 4}, "top_k"),
         ({"depth": -1}, "depth"),
         ({"budget": -3}, "budget"),
         ({"budget": 1.5}, "budget"),
-        ({"width": 3}, "width"),
+        ({"breadth": 3}, "breadth"),
     ],
 )
 def test_bad_knobs_are_refused_by_name(knobs, field):
@@ -28,8 +29,8 @@ def test_bad_knobs_are_refused_by_name(knobs, field):
 
 
 def test_knobs_are_separate():
-    policy = TreePolicy.from_dict({"top_k": 3, "depth": 7, "budget": 11})
-    assert (policy.top_k, policy.depth, policy.budget) == (3, 7, 11)
+    policy = TreePolicy.from_dict({"width": 3, "depth": 7, "budget": 11})
+    assert (policy.width, policy.depth, policy.budget) == (3, 7, 11)
 
 
 @pytest.mark.parametrize(

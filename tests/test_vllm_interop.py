@@ -22,7 +22,7 @@ from eyas.drafters.checkpoint import read_weights
 from eyas.interop import export_for_vllm
 from eyas.interop.vllm_env import ensure_vllm_python, run_vllm
 from eyas.manifest import Manifest
-from tiny import make_drafter, make_target
+from tests.helpers.tiny import make_drafter, make_target
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 DRAFTERS = ("eagle1", "eagle3")  # demo drafter directories
@@ -155,8 +155,8 @@ def test_vllm_counts_drafts_and_acceptances(vllm_runs, drafter: str):
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_vllm_acceptance_matches_eyas_chain(demo: Path, prompts, vllm_runs, drafter: str):
-    """eyas with a chain tree (top_k 1, depth k) drafts what vLLM drafts: same acceptance, up to numerics."""
-    chain = {"top_k": 1, "depth": SPECULATIVE_TOKENS, "budget": SPECULATIVE_TOKENS}
+    """eyas with a chain tree (width 1, depth k) drafts what vLLM drafts: same acceptance, up to numerics."""
+    chain = {"width": 1, "depth": SPECULATIVE_TOKENS, "budget": SPECULATIVE_TOKENS}
     engine = Engine.from_pretrained(demo / "target", demo / drafter, tree=chain)
     rounds = accepted = 0
     for prompt in prompts:

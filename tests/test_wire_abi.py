@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from servicekit import TREE, build_models
+from tests.helpers.servicekit import TREE, build_models
 
 from eyas import Engine, wire
-from eyas.cluster.config import ConfigError, ServiceConfig
+from eyas.actors.config import ConfigError, ServiceConfig
 from eyas.proposer import DraftSession
 from eyas.rounds import start
 from eyas.target import TargetSession
@@ -88,7 +88,7 @@ def round_parts(tmp_path_factory):
     target, drafter = build_models(tmp_path_factory.mktemp("wire"))
     engine = Engine.from_pretrained(target, drafter, tree=TREE)
     request = engine.new_request([5, 17, 33, 8, 9], temperature=0.8, seed=3)
-    draft, verifier = DraftSession(engine.drafter), TargetSession(engine.target)
+    draft, verifier = DraftSession(engine.draft), TargetSession(engine.target)
     start(request, draft, verifier)
     proposal = draft.propose(0, request.root_token, engine.tree)
     return engine, request, proposal, verifier.verify(proposal.tree, 0, request.sampling)
@@ -105,7 +105,7 @@ def test_trees_proposals_and_verifications_round_trip(round_parts):
     )
     msg = pb.Verification.FromString(wire.verification_to_proto(verification, ref).SerializeToString())
     again = wire.verification_from_proto(msg, engine.target.feature_width)
-    assert again.decision == verification.decision  # draws included: a sampled round replays bit for bit
+    assert again.decision == verification.decision  # a sampled round replays bit for bit
     assert torch.equal(again.features, verification.features)
     assert wire.sampling_from_proto(wire.sampling_to_proto(request.sampling)) == request.sampling
     wire.validate_decision(again.decision, proposal.tree, engine.target.vocab_size)

@@ -2,7 +2,8 @@
 
 Real Ray actors serving real gRPC on 127.0.0.1 with a tiny model. Each test drives one request
 with the coordinator's own proxies, fires bad messages at a known state, then finishes the
-request: its output must equal the in-process engine's, token for token.
+request: its output must equal the in-process engine's, token for token. Workers take calls only
+with their service's credential (KEY here), even on loopback.
 """
 
 import dataclasses
@@ -11,21 +12,23 @@ import grpc
 import pytest
 import ray
 import torch
-from servicekit import TREE, build_models
+from tests.helpers.servicekit import TREE, build_models
 
 from eyas import Engine, wire
+from eyas.actors.config import PoolConfig
 from eyas.actors.draft_worker import DraftWorker
-from eyas.actors.errors import field_of
 from eyas.actors.proxy import CallTiming, RemoteDraft, RemoteTarget, WorkerClient
 from eyas.actors.target_worker import TargetWorker
 from eyas.actors.worker import WorkerSpec
-from eyas.cluster.config import PoolConfig
-from eyas.cluster.pools import Pool, PoolError
+from eyas.actors.routing import PoolError
+from eyas.cluster.pools import Pool
 from eyas.publish import publish
 from eyas.rounds import run_round, start
+from eyas.rpc import TOKEN_KEY, field_of
 from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.v1 import round_pb2 as pb
 
+KEY = "service-credential"
 PROMPT = [5, 17, 33, 8, 9, 41]
 NEW_TOKENS = 24
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -35,13 +38,33 @@ INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED
 def workers(tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False)
     target, drafter = build_models(tmp_path_factory.mktemp("endpoints"))
-    spec = WorkerSpec(target=str(target), drafter=str(drafter), tree_limit=TreePolicy(**TREE))
+    spec = WorkerSpec(target=str(target), drafter=str(drafter), tree_limit=TreePolicy(**TREE), token=KEY)
     actors = [ray.remote(DraftWorker).remote(spec), ray.remote(TargetWorker).remote(spec)]
     infos = ray.get([a.start.remote() for a in actors])
-    clients = [WorkerClient(i.role, f"{i.role}-0", i.address, None, 30.0) for i in infos]
+    clients = [WorkerClient(i.role, f"{i.role}-0", i.address, KEY, 30.0) for i in infos]
     engine = Engine.from_pretrained(target, drafter, tree=TREE)
     yield {"engine": engine, "spec": spec, "infos": infos, "draft": clients[0], "target": clients[1]}
     ray.shutdown()
+
+
+@pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"draft_ahead": 2}])
+def test_bfloat16_and_draft_ahead_workers_serve_what_the_engine_generates(workers, changes):
+    spec = dataclasses.replace(workers["spec"], **changes)
+    actors = [ray.remote(DraftWorker).remote(spec), ray.remote(TargetWorker).remote(spec)]
+    infos = ray.get([a.start.remote() for a in actors])
+    draft_client, target_client = (WorkerClient(i.role, f"{i.role}-x", i.address, KEY, 30.0) for i in infos)
+    target, drafter = spec.target, spec.drafter
+    engine = Engine.from_pretrained(target, drafter, tree=TREE, dtype=changes.get("dtype"), draft_ahead=changes.get("draft_ahead", 0))
+    request = engine.new_request(PROMPT, NEW_TOKENS)
+    timing = CallTiming()
+    draft = RemoteDraft(draft_client, "r-x", infos[0].manifest_id, timing, infos[1].vocab_size)
+    verifier = RemoteTarget(target_client, "r-x", infos[0].manifest_id, timing, infos[1].vocab_size, infos[1].feature_width)
+    start(request, draft, verifier)
+    while not request.done:
+        run_round(request, draft, verifier, engine.tree)
+    assert request.output == engine.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids
+    for actor in actors:
+        ray.kill(actor)
 
 
 class Live:
@@ -61,16 +84,18 @@ class Live:
         self.version = self.request.version
         self.proposal = self.draft.propose(self.version, self.request.root_token, self.engine.tree)  # carries the reseed
         # The target's commit of the last round, sent on its own; the proxy's carried copy is then a harmless retry.
-        call(workers["target"], "Commit", pb.Commit(ref=self.ref(record.version), accepted_rows=record.decision.accepted_rows))
+        commit = pb.Commit(ref=self.ref(record.version), accepted_rows=record.decision.accepted_rows, round_id=self.target.round_id)
+        call(workers["target"], "Commit", commit)
         self.features = torch.zeros(1, info.feature_width)
 
     def ref(self, version=None, request_id=None, manifest_id=None):
         return wire.ref(request_id or self.request.request_id, self.version if version is None else version, manifest_id or self.manifest)
 
-    def verify_msg(self, tree=None, **ref):
+    def verify_msg(self, tree=None, round_id="probe", **ref):
         r = self.ref(**ref)
         tree = self.proposal.tree if tree is None else tree
-        return pb.VerifyRequest(ref=r, tree=wire.tree_to_proto(tree, r), sampling=wire.sampling_to_proto(self.request.sampling))
+        sampling = wire.sampling_to_proto(self.request.sampling)
+        return pb.VerifyRequest(ref=r, tree=wire.tree_to_proto(tree, r), sampling=sampling, round_id=round_id)
 
     def draft_msg(self, policy=None, root=None, **ref):
         policy = wire.policy_to_proto(policy or self.engine.tree)
@@ -90,14 +115,15 @@ class Live:
         return self.request.output
 
 
-def call(client: WorkerClient, method: str, msg) -> bytes:
-    return client._channel.unary_unary(f"/{client.service}/{method}")(msg.SerializeToString(), timeout=30)
+def call(client: WorkerClient, method: str, msg, key: str | None = KEY) -> bytes:
+    metadata = ((TOKEN_KEY, key),) if key else ()
+    return client._channel.unary_unary(f"/{client.service}/{method}")(msg.SerializeToString(), timeout=30, metadata=metadata)
 
 
-def refused(client: WorkerClient, method: str, msg) -> tuple[grpc.StatusCode, str]:
+def refused(client: WorkerClient, method: str, msg, key: str | None = KEY) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
-        call(client, method, msg)
-    return err.value.code(), field_of(err.value)
+        call(client, method, msg, key)
+    return err.value.code(), field_of(err.value.trailing_metadata())
 
 
 def expected_output(workers, temperature=0.0):
@@ -147,7 +173,8 @@ def test_stale_and_future_versions_are_refused_at_every_versioned_endpoint(worke
         assert refused(workers["target"], "Verify", live.verify_msg(version=version)) == (PRECONDITION, "version")
         assert refused(workers["draft"], "Draft", live.draft_msg(version=version)) == (PRECONDITION, "version")
     for version in (v - 2, v + 1):
-        assert refused(workers["target"], "Commit", pb.Commit(ref=live.ref(version), accepted_rows=[0])) == (PRECONDITION, "version")
+        commit = pb.Commit(ref=live.ref(version), accepted_rows=[0], round_id=live.target.round_id)
+        assert refused(workers["target"], "Commit", commit) == (PRECONDITION, "version")
         assert refused(workers["draft"], "Reseed", live.reseed_msg(version=version)) == (PRECONDITION, "version")
     assert live.finish() == expected_output(workers, temperature=0.9)
 
@@ -189,9 +216,14 @@ def test_bad_payloads_are_refused_naming_the_field(workers):
     empty_tree.tree.tokens.Clear()
     assert refused(target, "Verify", empty_tree) == (INVALID, "tree.tokens.dtype")
     assert refused(draft, "Draft", pb.DraftRequest(ref=live.ref(), root_token=live.request.root_token)) == (INVALID, "policy")
+    assert refused(target, "Verify", live.verify_msg(round_id="")) == (INVALID, "round_id")
+    assert refused(target, "Verify", live.verify_msg(round_id="r" * 65)) == (INVALID, "round_id")
+    assert refused(target, "Prefill", pb.Prefill(ref=fresh, tokens=[1] * 4096)) == (INVALID, "tokens")  # past the model's positions
+    assert refused(draft, "Reseed", pb.Reseed(ref=live.ref(), tokens=[1] * (TREE["depth"] + 2))) == (INVALID, "tokens")
+    assert refused(target, "Release", pb.Release(ref=live.ref(request_id="x" * 129))) == (INVALID, "request_id")
     raw = workers["target"]._channel.unary_unary(f"/{target.service}/Verify")
     with pytest.raises(grpc.RpcError) as err:
-        raw(b"\xff\xff\xff", timeout=30)
+        raw(b"\xff\xff\xff", timeout=30, metadata=((TOKEN_KEY, KEY),))
     assert err.value.code() == INVALID
     assert live.finish() == expected_output(workers)
 
@@ -199,32 +231,62 @@ def test_bad_payloads_are_refused_naming_the_field(workers):
 def test_released_requests_leave_no_session_and_no_kv(workers):
     for client in (workers["draft"], workers["target"]):
         health = client.health()
-        assert (health.sessions, health.kv_bytes, list(health.request_ids)) == (0, 0, [])
+        assert (health.sessions, health.kv_bytes) == (0, 0)
+        assert "request_ids" not in {f.name for f in health.DESCRIPTOR.fields}  # health names no request
 
 
-def test_servers_bind_loopback_unless_configured_and_then_require_the_token(workers):
+def test_workers_take_calls_only_with_their_service_credential_even_on_loopback(workers):
+    with pytest.raises(ray.exceptions.RayTaskError, match="token: a worker needs its service's credential"):
+        ray.get(ray.remote(TargetWorker).remote(dataclasses.replace(workers["spec"], token=None)).start.remote())
+    live = Live(workers, "outsider")
+    target, draft = workers["target"], workers["draft"]
+    kv = target.health().kv_bytes
+    for key in (None, "guess"):
+        for client, method, msg in (
+            (target, "Health", pb.WorkerHealthRequest()),
+            (target, "Verify", live.verify_msg()),
+            (target, "Release", pb.Release(ref=live.ref())),
+            (draft, "Release", pb.Release(ref=live.ref())),
+            (draft, "Draft", live.draft_msg()),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(client, method, msg, key)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "outsider" not in err.value.details()
+    assert target.health().kv_bytes == kv
+    assert live.finish() == expected_output(workers)
+
+
+def test_a_worker_advertises_the_loopback_address_it_binds(workers):
     assert all(info.address.startswith("127.0.0.1:") for info in workers["infos"])
-    open_spec = dataclasses.replace(workers["spec"], host="0.0.0.0")
-    with pytest.raises(ray.exceptions.RayTaskError, match="host: binding 0.0.0.0"):
-        ray.get(ray.remote(TargetWorker).remote(open_spec).start.remote())
-    guarded = ray.remote(TargetWorker).remote(dataclasses.replace(open_spec, token="s3cret"))
-    info = ray.get(guarded.start.remote())
-    port = info.address.rsplit(":", 1)[1]
-    anonymous = WorkerClient("target", "t", f"127.0.0.1:{port}", None, 30.0)
-    with pytest.raises(grpc.RpcError) as err:
-        anonymous.health()
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    wrong = WorkerClient("target", "t", f"127.0.0.1:{port}", "guess", 30.0)
-    with pytest.raises(grpc.RpcError) as err:
-        wrong.health()
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert WorkerClient("target", "t", f"127.0.0.1:{port}", "s3cret", 30.0).health().role == "target"
-    ray.kill(guarded)
+    for host, prefix in (("127.0.0.2", "127.0.0.2:"), ("::1", "[::1]:")):
+        actor = ray.remote(TargetWorker).remote(dataclasses.replace(workers["spec"], host=host))
+        info = ray.get(actor.start.remote())
+        assert info.address.startswith(prefix)
+        assert WorkerClient("target", "t", info.address, KEY, 30.0).health().role == "target"
+        ray.kill(actor)
+
+
+def test_a_commit_names_its_round_and_a_verify_never_replaces_another_rounds_tree(workers):
+    live = Live(workers, "rounds")
+    target, request = workers["target"], live.request
+    verification = live.target.verify(live.proposal.tree, live.version, request.sampling)  # provisional under its round
+    rows = verification.decision.accepted_rows
+    kv = target.health().kv_bytes
+    assert refused(target, "Verify", live.verify_msg(round_id="intruder")) == (PRECONDITION, "round_id")
+    assert refused(target, "Commit", pb.Commit(ref=live.ref(), accepted_rows=rows, round_id="intruder")) == (PRECONDITION, "round_id")
+    assert refused(target, "Commit", pb.Commit(ref=live.ref(), accepted_rows=rows)) == (PRECONDITION, "round_id")
+    assert target.health().kv_bytes == kv
+    publish(request, verification.decision, verification.features, live.target, live.draft)
+    while not request.done:
+        run_round(request, live.draft, live.target, live.engine.tree)
+    live.draft.release()
+    live.target.release()
+    assert request.output == expected_output(workers)
 
 
 def test_a_pool_that_cannot_be_placed_fails_naming_pool_and_resources(workers):
     pool = Pool("target", TargetWorker, PoolConfig(resources={"gpu-node": 1}), workers["spec"], ready_timeout=2.0, rpc_timeout=5.0)
-    with pytest.raises(PoolError, match=r"pools.target: no node could reserve \{'CPU': 1.0, 'gpu-node': 1.0\}"):
+    with pytest.raises(PoolError, match=r"pools.target: no node of the cluster has 1 CPU, 1 gpu-node"):
         pool.start()
     assert pool.members() == []
 
@@ -238,7 +300,7 @@ def test_a_verify_carrying_a_commit_with_a_bad_tree_applies_neither(workers):
     request.commit(live.version, [*decision.accepted_tokens, decision.frontier_token])  # publish without the target
     live.draft.reseed(live.version, verification.features, [*decision.accepted_tokens, decision.frontier_token])
     proposal = live.draft.propose(request.version, request.root_token, engine.tree)
-    carried = pb.Commit(ref=live.ref(live.version), accepted_rows=decision.accepted_rows)
+    carried = pb.Commit(ref=live.ref(live.version), accepted_rows=decision.accepted_rows, round_id=live.target.round_id)
     live.version = request.version
     kv_before = target.health().kv_bytes
     for tree, field in malformed_trees(proposal.tree, proposal.tree.prefix_len).values():
@@ -250,6 +312,7 @@ def test_a_verify_carrying_a_commit_with_a_bad_tree_applies_neither(workers):
     msg = live.verify_msg()
     msg.commit.CopyFrom(carried)
     reply = pb.Verification.FromString(call(target, "Verify", msg))
+    live.target.round_id = msg.round_id  # the tree is now provisional under this call's round, which the commit names
     verification = wire.verification_from_proto(reply, workers["infos"][1].feature_width)
     publish(request, verification.decision, verification.features, live.target, live.draft)
     while not request.done:

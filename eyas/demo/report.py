@@ -10,9 +10,9 @@ from ..engine import Engine
 from .corpus import heldout_prompts
 
 TREES = {
-    "tree (top_k 8, depth 5, budget 32)": {"top_k": 8, "depth": 5, "budget": 32},
-    "tree (top_k 4, depth 4, budget 16)": {"top_k": 4, "depth": 4, "budget": 16},
-    "chain (top_k 1, depth 5)": {"top_k": 1, "depth": 5, "budget": 5},
+    "tree (width 8, depth 5, budget 32)": {"width": 8, "depth": 5, "budget": 32},
+    "tree (width 4, depth 4, budget 16)": {"width": 4, "depth": 4, "budget": 16},
+    "chain (width 1, depth 5)": {"width": 1, "depth": 5, "budget": 5},
 }
 REGENERATE = "eyas demo build --skip-base   # or: python -m eyas.demo.report --root models/demo"
 

@@ -48,8 +48,17 @@ class Drafter(nn.Module):
         return int(self.config.hidden_size)
 
     @property
+    def attention(self) -> nn.Module:
+        """The one attention module, whose head layout sizes the drafter's KV."""
+        raise NotImplementedError
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
         """[..., F] target features at the declared address -> [..., d] drafter input state."""

@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the official EAGLE layouts (facts.md section 1): config.json + safetensors.
+"""Drafter checkpoints in the official EAGLE layouts (docs/drafters.md#checkpoints): config.json + safetensors.
 
 Loading checks every key against the architecture the config describes and reports missing,
 unexpected and mis-shaped keys together; it refuses a reduced draft vocabulary without d2t and
@@ -66,8 +66,15 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def detect_kind(config: dict, keys: set[str]) -> str:
-    """EAGLE-3 checkpoints have a midlayer (or declare a draft vocabulary); EAGLE-1 ones have layers.0."""
+def detect_kind(config: dict, keys: set[str], path: str | Path = "") -> str:
+    """EAGLE-3 checkpoints have a midlayer (or declare a draft vocabulary); EAGLE-1 ones have layers.0.
+
+    A full causal LM (a target: model.layers.* and lm_head.weight, no fc) is refused by name, not key by key.
+    """
+    if "lm_head.weight" in keys and "fc.weight" not in keys and any(k.startswith("model.layers.") for k in keys):
+        raise CheckpointError(
+            path, ["this is a target model (a full causal LM: model.layers.* and lm_head.weight), not a drafter"]
+        )
     if any(k.startswith("midlayer.") for k in keys) or "draft_vocab_size" in config:
         return "eagle3"
     return "eagle1"
@@ -89,7 +96,7 @@ def load_drafter(path: str | Path, embed: torch.nn.Embedding, lm_head: torch.nn.
         raise CheckpointError(path, ["no config.json"])
     config_dict = json.loads((path / "config.json").read_text())
     weights = read_weights(path)
-    kind = detect_kind(config_dict, set(weights))
+    kind = detect_kind(config_dict, set(weights), path)
     report = LoadReport(kind=kind)
     config = LlamaConfig(**{k: v for k, v in config_dict.items() if k != "architectures"})
     drafter = build_drafter(kind, config)

@@ -1,4 +1,4 @@
-"""EAGLE-1 drafter (design reference 0x03): fc over [embedding(x_{t+1}); feature_t], one decoder layer.
+"""EAGLE-1 drafter (docs/drafters.md#eagle-1): fc over [embedding(x_{t+1}); feature_t], one decoder layer.
 
 The layer has no input norm; logits come from the target's frozen LM head applied to the
 predicted feature, which is also the next draft step's input feature.
@@ -36,6 +36,10 @@ class Eagle1Drafter(Drafter):
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=bool(getattr(config, "bias", True)))
         self.layers = nn.ModuleList([Eagle1Layer(config)])
+
+    @property
+    def attention(self) -> nn.Module:
+        return self.layers[0].self_attn
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
         return target_features

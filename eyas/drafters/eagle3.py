@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter (design reference 0x08): three fused target taps, a midlayer, its own draft-vocabulary head.
+"""EAGLE-3 drafter (docs/drafters.md#eagle-3): three fused target taps, a midlayer, its own draft-vocabulary head.
 
 fc reduces [low; mid; high] taps (3 * d_target) to d. The midlayer's attention reads
 cat(input_layernorm(embedding), hidden_norm(state)) (2d wide) with the state as residual; its
@@ -57,6 +57,10 @@ class Eagle3Drafter(Drafter):
         self.d2t = draft_to_target - torch.arange(self.draft_vocab_size)
         self.t2d = torch.zeros(vocab_size, dtype=torch.bool)
         self.t2d[draft_to_target] = True
+
+    @property
+    def attention(self) -> nn.Module:
+        return self.midlayer.self_attn
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
         return self.fc(target_features)  # [..., 3 d_target] -> [..., d]

@@ -61,16 +61,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def rotary_tables(rope: LlamaRotaryEmbedding, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin [length, head_dim] for positions 0..length-1, computed as Hugging Face's RoPE computes them
+    for any RoPE variant the config names (inverse frequencies and attention scaling from `rope`)."""
+    positions = torch.arange(length, dtype=torch.float32, device=rope.inv_freq.device)
+    freqs = positions[:, None] * rope.inv_freq.float()[None]  # [P, head_dim / 2]
+    table = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
+    return table.cos() * rope.attention_scaling, table.sin() * rope.attention_scaling
+
+
 class Rotary(nn.Module):
-    """cos/sin tables for explicit positions, with every RoPE variant the Llama config can name."""
+    """cos/sin for explicit positions, looked up in tables computed once (and regrown when a position passes them)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.inner = LlamaRotaryEmbedding(config)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.inner(torch.empty(0, dtype=dtype), positions)  # [B, Q, head_dim]
-        return cos[:, None], sin[:, None]  # [B, 1, Q, head_dim]
+        cos, sin = self._tables.get(dtype, (None, None))
+        if cos is None or cos.device != positions.device or int(positions.max()) >= cos.shape[0]:
+            length = max(1024, 2 * int(positions.max()) + 1)
+            cos, sin = (t.to(device=positions.device, dtype=dtype) for t in rotary_tables(self.inner, length))
+            self._tables[dtype] = (cos, sin)
+        return cos[positions][:, None], sin[positions][:, None]  # [B, 1, Q, head_dim]
 
 
 class Attention(nn.Module):
@@ -104,11 +118,11 @@ class Attention(nn.Module):
         cos, sin = rope
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        keys, values = kv.append(k, v)  # [B, KVH, S, hd]
+        keys, values = kv.append(k, v)  # [B, KVH, S, hd], in the cache's dtype
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+            q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
         )  # [B, H, Q, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
+        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -60,7 +60,7 @@ def export_for_vllm(
         raise ValueError(f"{out_dir} is not empty and holds no earlier export: choose a new or empty directory")
     config = json.loads((drafter_dir / "config.json").read_text())
     weights = read_weights(drafter_dir)
-    kind = detect_kind(config, set(weights))
+    kind = detect_kind(config, set(weights), drafter_dir)
     manifest = Manifest.load(drafter_dir)
     target_config = _checked_target(target_dir, manifest, allow_manifest_mismatch)
     weights.pop(EMBED_KEY, None)  # vLLM shares the target's embedding unless the export needs its own

@@ -1,10 +1,14 @@
-"""The trace file format, version 1: a header, then length-prefixed, checksummed msgpack frames.
+"""The trace file format, version 2: a header, then length-prefixed, checksummed msgpack frames.
 
 Header: `MAGIC` then the format version (uint16, little-endian). Frame: payload length and CRC-32 of
 the payload (two uint32, little-endian), then the payload: a msgpack map with "kind" and the fields
 of that kind's record below. The FlattenedTree and AcceptanceDecision protobuf messages are msgpack
 binary values, so their bytes stay exactly as they were sent. Readers ignore unknown keys and skip
 unknown kinds.
+
+Version 1 recorded the uniforms each sampled round consumed in tree order; since sampling is keyed by
+(seed, position) (docs/sampling.md) a round replays from its sampling options and its tree alone, and
+version 1 files are refused with a message naming their version (`scan`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field, fields
 import msgpack
 
 MAGIC = b"\x89eyas-trace\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER = MAGIC + struct.pack("<H", FORMAT_VERSION)
 FRAME = struct.Struct("<II")
 MAX_PAYLOAD = 1 << 30
@@ -44,7 +48,7 @@ class RequestStart:
 
 @dataclass
 class Round:
-    """One round: the messages exactly as sent, the draws verification consumed, what was emitted, timings."""
+    """One round: the messages exactly as sent, the sampling options (seed included), what was emitted, timings."""
 
     request: str
     round: int
@@ -54,7 +58,6 @@ class Round:
     decision: bytes  # eyas.v1.AcceptanceDecision
     policy: dict
     sampling: dict
-    draws: list[float]
     emitted: list[int]
     seconds: dict  # engine phases: draft, tree, verify, publish
     service_seconds: dict  # service split of remote calls (empty in process): rpc, serialize, queue, compute
@@ -87,7 +90,6 @@ _CHECKS = {
     "dict": lambda v: type(v) is dict,
     "dict | None": lambda v: v is None or type(v) is dict,
     "list[int]": lambda v: type(v) is list and all(type(x) is int for x in v),
-    "list[float]": lambda v: type(v) is list and all(type(x) is float for x in v),
 }
 
 

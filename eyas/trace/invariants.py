@@ -2,16 +2,14 @@
 
 Tree structure is checked by the engine's own receipt checks (`validate_tree`, `validate_decision`);
 this module adds what only a whole request shows: the prefix and root each tree builds on, the
-versions, the draws, and the output the rounds committed.
+versions, the sampling options, and the output the rounds committed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..request import make_sampling
-from ..sampling import round_draws
 from ..tree import TreeError, validate_tree
 from ..wire import WireError, validate_decision
 from .format import Round
@@ -30,7 +28,7 @@ INVARIANTS = {
     "decision": "the frontier token and the probabilities are valid",
     "output": "accepted tokens and frontier token are consistent with the committed output",
     "versions": "versions increase by one",
-    "draws": "the draws are the ones the round's seed and version give (none when greedy)",
+    "sampling": "every round samples with the request's options (seed included), and they are valid",
     "manifest": "every message names the request's manifest",
 }
 TREE_FIELDS = {"parents": "parents", "mask": "mask", "positions": "positions", "prefix_len": "positions"}
@@ -109,7 +107,12 @@ def check_request(request: TracedRequest) -> list[Violation]:
             bad("output", f"emitted {rnd.emitted}, the decision gives {full}")
         elif len(rnd.emitted) < len(full) and not last:
             bad("output", f"a stop cut the round's tokens {full} to {rnd.emitted}, yet the request went on")
-        _check_draws(rnd, list(decision.draws), tree.num_rows, bad)
+        if start is not None and rnd.sampling != start.sampling:
+            bad("sampling", f"the round samples with {rnd.sampling}, the request asked for {start.sampling}")
+        try:
+            make_sampling(**rnd.sampling)
+        except (ValueError, TypeError) as exc:
+            bad("sampling", f"the sampling options are invalid ({exc})")
     end = request.end
     if end is not None:
         if end.output_ids != output:
@@ -119,22 +122,6 @@ def check_request(request: TracedRequest) -> list[Violation]:
             detail = f"the request ends at version {end.version}, expected {version}"
             out.append(Violation(request.key, None, "versions", detail, end.offset))
     return out
-
-
-def _check_draws(rnd: Round, draws: list[float], rows: int, bad: Callable[[str, str], None]) -> None:
-    if rnd.draws != draws:
-        bad("draws", "the record's draws differ from the decision's")
-        return
-    try:
-        params = make_sampling(**rnd.sampling)
-    except (ValueError, TypeError) as exc:
-        bad("draws", f"the sampling options are invalid ({exc})")
-        return
-    if params.greedy:
-        if draws:
-            bad("draws", f"a greedy round consumed {len(draws)} draws")
-    elif draws != round_draws(params.seed, rnd.version, rows).tolist()[: len(draws)]:
-        bad("draws", f"the draws are not those of seed {params.seed} at version {rnd.version}")
 
 
 def _vocab_size(manifest: dict | None) -> int:

@@ -69,7 +69,6 @@ class RequestRecorder:
                     decision=decision,
                     policy=asdict(record.policy) if record.policy is not None else self.policy,
                     sampling=self.sampling,
-                    draws=list(record.decision.draws),
                     emitted=list(record.emitted),
                     seconds=dict(record.seconds),
                     service_seconds=dict(service_seconds or {}),

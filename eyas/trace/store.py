@@ -91,6 +91,16 @@ def group(records: list[Record]) -> list[TracedRequest]:
     return requests
 
 
+def version_problem(version: int) -> str:
+    """Why a trace of another format version is not read."""
+    if version == 1:
+        return (
+            f"format version 1 is no longer read (this reader reads version {FORMAT_VERSION}): version 1 recorded "
+            "per-round draws in tree order, which position-keyed sampling cannot replay; record the trace again"
+        )
+    return f"unknown format version {version} (this reader reads version {FORMAT_VERSION})"
+
+
 def scan(stream: BinaryIO, size: int) -> Iterator[tuple[int, bytes] | TraceProblem]:
     """Whole frames (offset, payload) after the header, then at most one problem where reading had to stop."""
     header = stream.read(len(HEADER))
@@ -108,7 +118,7 @@ def scan(stream: BinaryIO, size: int) -> Iterator[tuple[int, bytes] | TraceProbl
         return
     (version,) = struct.unpack("<H", header[len(MAGIC) :])
     if version != FORMAT_VERSION:
-        yield TraceProblem(len(MAGIC), f"unknown format version {version} (this reader reads version {FORMAT_VERSION})")
+        yield TraceProblem(len(MAGIC), version_problem(version))
         return
     offset = len(HEADER)
     while offset < size:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..demo.corpus import collect
+
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst"}
 
 
@@ -81,8 +83,6 @@ def read_documents(sources: list[str], tokenizer) -> list[Document]:
     docs: list[Document] = []
     for source in sources:
         if source in ("stdlib:train", "stdlib:heldout"):
-            from ..demo.corpus import collect
-
             corpus = collect()
             split = corpus.train if source == "stdlib:train" else corpus.heldout
             docs += [encode_text(tokenizer, d.text, f"stdlib/{d.path}") for d in split]

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..manifest import FeatureAddress
+from ..runtime.kv import PassThroughKV
 from ..target import TargetModel
 from .data import Packed, segment_causal_mask
 
@@ -39,6 +40,20 @@ def tokens_digest(data: Packed) -> str:
     return digest.hexdigest()
 
 
+@torch.no_grad()
+def teacher_features(
+    target: TargetModel, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache-free forward of the frozen target: tokens, positions [B, S], mask [B, 1, S, S] bool.
+
+    Returns (features [B, S, F] at the declared address, final-norm hidden states [B, S, d]).
+    """
+    out = target.runtime.forward(tokens, positions, PassThroughKV(), mask, target.taps)
+    if not target.taps:
+        return out.hidden, out.hidden
+    return torch.cat(out.taps, dim=-1), out.hidden  # [B, S, d * taps]
+
+
 class OnlineFeatures:
     """Run the frozen target (no grad) on the sequences of each step."""
 
@@ -49,7 +64,7 @@ class OnlineFeatures:
     def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.data.select(index)
         mask = segment_causal_mask(batch.valid, batch.segment)
-        return self.target.teacher(batch.tokens, batch.position, mask)  # [b, S, F], [b, S, d]
+        return teacher_features(self.target, batch.tokens, batch.position, mask)  # [b, S, F], [b, S, d]
 
 
 def _meta(target: TargetModel, data: Packed) -> dict:

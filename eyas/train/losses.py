@@ -1,4 +1,4 @@
-"""Drafter objectives (design reference 0x04, 0x07A, 0x08C): masked reductions in float32.
+"""Drafter objectives (docs/training.md): masked reductions in float32.
 
 Every loss averages over supervised rows only; callers skip the optimizer step when a batch
 has none (weight decay included), so a zero denominator never reaches these functions.

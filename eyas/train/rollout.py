@@ -1,4 +1,4 @@
-"""Training-time rollouts (HASS 0x07B, EAGLE-3 0x08C): later steps see the drafter's own earlier states.
+"""Training-time rollouts (docs/training.md#hass, #eagle-3): later steps see the drafter's own earlier states.
 
 Rows are indexed by their root: at rollout step s, root row t simulates the depth-s tree node
 whose root is row t. It feeds back the state the drafter produced for row t at step s - 1, reads

@@ -1,4 +1,4 @@
-"""The training row compiler (design reference 0x02A): plan boundary-valid rows before any gather.
+"""The training row compiler (docs/rows.md): plan boundary-valid rows before any gather.
 
 Row t pairs the teacher feature f_t with the advanced token x_{t+1}; its soft targets are
 f_{t+1} and q_{t+2} = softmax(W_U f_{t+1}); a hard-label row also needs x_{t+2}. A row exists

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..drafters import Drafter, Eagle3Drafter, build_drafter, drafter_config, save_drafter
+from ..drafters import Eagle3Drafter, build_drafter, drafter_config, save_drafter
+from ..drafters.checkpoint import read_weights
 from ..manifest import DRAFTER_ABI, FeatureAddress, Manifest
 from ..pairing import target_num_layers
 from ..target import TargetModel
@@ -91,7 +92,7 @@ class Trainer:
         kind = model_kind(recipe.recipe)
         layers = tuple(recipe.feature_layers) if recipe.feature_layers else None
         address = FeatureAddress.eagle1() if kind == "eagle1" else FeatureAddress.eagle3(target_num_layers(recipe.target), layers)
-        self.target = TargetModel.from_pretrained(recipe.target, address)
+        self.target = TargetModel.from_pretrained(recipe.target, address, kv_slots=0)
         if self.target.tokenizer is None:
             raise DataError(f"{recipe.target}: the target has no tokenizer to encode training text with")
         self.train_data = self._load(recipe.data)
@@ -145,7 +146,7 @@ class Trainer:
             self.drafter.set_vocab_map(ids, self.target.vocab_size)
             with torch.no_grad():
                 self.drafter.lm_head.weight.copy_(self.target.lm_head.weight[ids])
-                self.drafter.norm.weight.copy_(self.target.decoder.norm.weight)
+                self.drafter.norm.weight.copy_(self.target.runtime.norm)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -276,8 +277,6 @@ class Trainer:
                 )
         if state["objective"] != asdict(self.objective):
             raise RecipeError("cannot resume: the checkpoint was trained with other objective settings")
-        from ..drafters.checkpoint import read_weights
-
         self.drafter.load_state_dict(read_weights(directory))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -8,14 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TreePolicy(_message.Message):
-    __slots__ = ("top_k", "depth", "budget")
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("width", "depth", "budget")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
-    top_k: int
+    width: int
     depth: int
     budget: int
-    def __init__(self, top_k: _Optional[int] = ..., depth: _Optional[int] = ..., budget: _Optional[int] = ...) -> None: ...
+    def __init__(self, width: _Optional[int] = ..., depth: _Optional[int] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
@@ -128,33 +128,36 @@ class PrefillReply(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("ref", "accepted_rows")
+    __slots__ = ("ref", "accepted_rows", "round_id")
     REF_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     accepted_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    round_id: str
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., round_id: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("ref", "tree", "sampling", "commit")
+    __slots__ = ("ref", "tree", "sampling", "commit", "round_id")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     tree: FlattenedTree
     sampling: SamplingParams
     commit: Commit
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+    round_id: str
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., round_id: _Optional[str] = ...) -> None: ...
 
 class AcceptanceDecision(_message.Message):
-    __slots__ = ("ref", "accepted_rows", "accepted_tokens", "frontier_token", "frontier_prob", "draws", "accepted_features", "token_probs")
+    __slots__ = ("ref", "accepted_rows", "accepted_tokens", "frontier_token", "frontier_prob", "accepted_features", "token_probs")
     REF_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_ROWS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FRONTIER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FRONTIER_PROB_FIELD_NUMBER: _ClassVar[int]
-    DRAWS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
@@ -162,10 +165,9 @@ class AcceptanceDecision(_message.Message):
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     frontier_token: int
     frontier_prob: float
-    draws: _containers.RepeatedScalarFieldContainer[float]
     accepted_features: _tensor_pb2.Tensor
     token_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., frontier_token: _Optional[int] = ..., frontier_prob: _Optional[float] = ..., draws: _Optional[_Iterable[float]] = ..., accepted_features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., frontier_token: _Optional[int] = ..., frontier_prob: _Optional[float] = ..., accepted_features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Expert(_message.Message):
     __slots__ = ("layer", "expert")
@@ -176,16 +178,18 @@ class Expert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("ref", "decision", "experts", "branch_kv_bytes")
+    __slots__ = ("ref", "decision", "experts", "branch_kv_bytes", "round_id")
     REF_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     decision: AcceptanceDecision
     experts: _containers.RepeatedCompositeFieldContainer[Expert]
     branch_kv_bytes: int
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., decision: _Optional[_Union[AcceptanceDecision, _Mapping]] = ..., experts: _Optional[_Iterable[_Union[Expert, _Mapping]]] = ..., branch_kv_bytes: _Optional[int] = ...) -> None: ...
+    round_id: str
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., decision: _Optional[_Union[AcceptanceDecision, _Mapping]] = ..., experts: _Optional[_Iterable[_Union[Expert, _Mapping]]] = ..., branch_kv_bytes: _Optional[int] = ..., round_id: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ref",)
@@ -212,13 +216,12 @@ class WorkerHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "request_ids", "calls", "busy_seconds")
+    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     role: str
@@ -226,7 +229,6 @@ class WorkerHealth(_message.Message):
     sessions: int
     kv_bytes: int
     rss_bytes: int
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
     calls: int
     busy_seconds: float
-    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...

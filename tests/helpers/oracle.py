@@ -2,12 +2,13 @@
 
 A row at draft position p carries the token at target position p + 1 and predicts position p + 2.
 When that token is on the reference path, the true next token is placed at rank `rank(p)` among
-the candidates (rank >= top_k means it is left out); off the path the proposals are arbitrary.
+the candidates (rank >= the tree's width means it is left out); off the path the proposals are arbitrary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -27,6 +28,14 @@ class OracleDrafter(Drafter):
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def attention(self) -> SimpleNamespace:
+        return SimpleNamespace(kv_heads=1, head_dim=1)  # the one zero row per step that `step` appends
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
         return target_features

@@ -1,4 +1,4 @@
-"""Service overhead benchmark: the service's time per round against the in-process engine's, and what concurrency buys.
+"""`eyas bench service`: the service's time per round against the in-process engine's, and what concurrency buys.
 
 Same machine, same models, same prompts, one run: the in-process engine (one torch thread, like each
 worker) and a local service with one draft and one target worker. Reports per-round time with the
@@ -6,19 +6,14 @@ service's extra cost split into RPC, serialization (with receipt checks), queuei
 work; then aggregate tokens/s of N concurrent requests against the same requests one at a time.
 CPU time per round is reported beside wall time: on a shared machine, wall time also measures the
 neighbours. Prints one JSON record (Linux: CPU times come from /proc).
-
-    python -m eyas.cluster.bench [--target DIR --drafter DIR] [--requests 8] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import random
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -26,24 +21,15 @@ from pathlib import Path
 
 import torch
 
-from eyas import Engine
+from eyas.actors.config import PoolConfig, ServiceConfig
 from eyas.client.client import Client
+from eyas.cluster.service import Service
+from eyas.engine import Engine
 
-from .config import PoolConfig, ServiceConfig
-from .service import Service
+from .harness import prompts_for
 
 ENGINE_PHASES = ("draft", "tree", "verify", "publish")
-SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "coordinator")
-
-
-def prompts_for(engine: Engine, count: int, length: int, seed: int, source: str | None) -> list[list[int]]:
-    """`count` prompts of `length` tokens: windows spread over a text file, or random token ids."""
-    if source is not None:
-        ids = engine.tokenize(Path(source).read_text())
-        step = max(1, (len(ids) - length) // count)
-        return [ids[i * step : i * step + length] for i in range(count)]
-    rng = random.Random(seed)
-    return [[rng.randrange(3, engine.target.vocab_size) for _ in range(length)] for _ in range(count)]
+SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "batch", "coordinator")
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -126,24 +112,13 @@ def busy_seconds(client: Client) -> dict[str, float]:
     return {p["name"]: sum(w["busy_seconds"] for w in p["workers"]) / len(p["workers"]) for p in pools}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eyas.cluster.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="target directory (default: the bundled demo target)")
-    parser.add_argument("--drafter", help="drafter directory (default: the bundled demo EAGLE-3 drafter)")
-    parser.add_argument("--requests", type=int, default=8, help="requests, also the concurrency of the second run")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="alternate in-process and service runs this often")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompts-from", help="text file the prompts are cut from (default: random token ids)")
-    parser.add_argument("--draft-workers", type=int, default=1)
-    parser.add_argument("--target-workers", type=int, default=1)
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
+    """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
 
-    config = ServiceConfig.load(None, target=args.target, drafter=args.drafter)
+    config = ServiceConfig.load(None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead)
     target, drafter = config.models()
     torch.set_num_threads(1)  # as each worker runs
-    engine = Engine.from_pretrained(target, drafter, tree=config.tree)
+    engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
     workers = args.draft_workers + args.target_workers
     config = replace(
@@ -174,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
         "models": {"target": target, "drafter": drafter, "tree": vars(config.tree)},
         "workers": {"draft": args.draft_workers, "target": args.target_workers},
+        "draft_ahead": args.draft_ahead,
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
         "prompts_from": args.prompts_from or "random token ids",
@@ -201,10 +177,4 @@ def main(argv: list[str] | None = None) -> int:
             "concurrent_cpu_cores_used_by_service": median(parallel, "cores"),
         },
     }
-    json.dump(record, sys.stdout, indent=2)
-    print()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return record

@@ -1,6 +1,4 @@
-"""Benchmark: what tracing costs per round, in process (JSON on stdout).
-
-    python -m eyas.trace.bench [--target DIR --drafter DIR] [--repeats N] [--max-new-tokens N]
+"""`eyas bench trace`: what tracing costs per round, in process.
 
 Runs every prompt with tracing off and on, back to back in alternating order, and reports seconds
 per round of both (process CPU time, which other processes on a busy machine disturb far less than
@@ -13,7 +11,6 @@ bytes it already holds, so the in-process figure bounds its cost.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -22,20 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ..engine import Engine
-from ..tree import TreePolicy
-from .record import RequestRecorder
-from .store import TraceWriter
+from eyas.assets import DEFAULT_DRAFTER, demo_model
+from eyas.engine import Engine
+from eyas.trace.record import RequestRecorder
+from eyas.trace.store import TraceWriter
+from eyas.tree import TreePolicy
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):",
-    "for i in range(10):",
-    "def read_lines(path):\n    with open(path) as f:",
-    "    return sorted(items, key=lambda x:",
-]
-
+from .harness import CODE_PROMPTS
 
 def trace_overhead(engine: Engine, prompts: list[str], max_new_tokens: int = 64, repeats: int = 5) -> dict:
     """Seconds per round with tracing off and on (CPU and wall), the overheads, and the recorder's direct cost."""
@@ -79,21 +69,13 @@ def trace_overhead(engine: Engine, prompts: list[str], max_new_tokens: int = 64,
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..assets import DEFAULT_DRAFTER, demo_model
-
-    parser = argparse.ArgumentParser(prog="python -m eyas.trace.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="target directory (default: the bundled demo target)")
-    parser.add_argument("--drafter", help="drafter directory (default: the bundled demo drafter)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
+    """The whole benchmark for the options of `eyas bench trace`; returns its JSON record."""
     torch.set_num_threads(args.threads)
     target = args.target or demo_model("target")
     drafter = args.drafter or demo_model(DEFAULT_DRAFTER)
     engine = Engine.from_pretrained(target, drafter, tree=TreePolicy())  # one fixed tree: traced and untraced rounds alike
-    result = trace_overhead(engine, PROMPTS, args.max_new_tokens, args.repeats)
+    result = trace_overhead(engine, CODE_PROMPTS, args.max_new_tokens, args.repeats)
     result.update(
         target=str(target),
         drafter=str(drafter),
@@ -103,9 +85,4 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
     )
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return result

@@ -1,14 +1,12 @@
-"""`python -m eyas.client.tree_bench`: `tree: auto` against a grid of fixed trees, on the same prompts, in one run.
+"""`eyas bench tree`: `tree: auto` against a grid of fixed trees, on the same prompts, in one run.
 
-One engine decodes every prompt block with each fixed policy and with `auto` in turn (`eyas bench`'s
-interleaving, so machine drift lands on all alike). The tuner's one-time cost measurement happens in
-the warm-up; its exploration rounds count, as they do in service. JSON on stdout.
+One engine decodes every prompt block with each fixed policy and with `auto` in turn (the
+harness's interleaving, so machine drift lands on all alike). The tuner's one-time cost
+measurement happens in the warm-up; its exploration rounds count, as they do in service.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 from dataclasses import asdict
 
@@ -16,7 +14,7 @@ import torch
 
 from eyas.tree import TreePolicy
 
-from .bench import EyasRunner, demo_suite, run_interleaved
+from .harness import EyasRunner, demo_suite, run_interleaved
 
 GRID = (
     TreePolicy(1, 3, 3), TreePolicy(1, 5, 5), TreePolicy(1, 7, 7),
@@ -31,7 +29,7 @@ def run(drafter: str, n_prompts: int, blocks: int, max_new_tokens: int, temperat
     auto = EyasRunner.load(suite.target, suite.drafters[drafter])
     runners = {("eyas", "auto", temperature): auto.run}
     for p in GRID:
-        runners[("eyas", f"{p.top_k}/{p.depth}/{p.budget}", temperature)] = EyasRunner(auto.engine, asdict(p)).run
+        runners[("eyas", f"{p.width}/{p.depth}/{p.budget}", temperature)] = EyasRunner(auto.engine, asdict(p)).run
     for runner in runners.values():  # warm-up, untimed: the tuner measures this machine's costs here
         runner(suite.prompts[:1], 8, temperature, 0)
     tallies = run_interleaved(runners, suite.prompts, blocks, max_new_tokens, seed=0)
@@ -55,21 +53,3 @@ def run(drafter: str, n_prompts: int, blocks: int, max_new_tokens: int, temperat
         "best_fixed": best,
         "auto_vs_best": results["auto"]["tokens_per_s"] / results[best]["tokens_per_s"],
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="tree: auto against a grid of fixed trees on the demo models (JSON on stdout)")
-    parser.add_argument("--drafter", default="eagle3", choices=("eagle1", "hass", "eagle3"))
-    parser.add_argument("--prompts", type=int, default=20)
-    parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(json.dumps(run(args.drafter, args.prompts, args.blocks, args.max_new_tokens, args.temperature), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,14 +12,24 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers import AutoConfig
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
+from eyas.runtime.device import DTYPES
+from eyas.runtime.shard import ShardError, check_shardable
 from eyas.tree import TreePolicy
-from eyas.actors.worker import DTYPES, WorkerSpec
+
+from .worker import WorkerSpec
+
+
+MAX_DRAFT_AHEAD = 8  # trees a draft worker may pre-build per request and round
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown or has a bad value; the message names it."""
+
+
+PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement-group strategies
 
 
 @dataclass(frozen=True)
@@ -31,9 +41,11 @@ class PoolConfig:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
     threads: int = 1
+    tensor_parallel: int = 1  # ranks per worker, each reserving one bundle (target only; docs/groups.md)
+    placement: str = "STRICT_PACK"  # how a worker's bundles are placed: STRICT_PACK keeps a group on one node
 
     def bundle(self) -> dict[str, float]:
-        """The placement-group bundle one worker reserves."""
+        """The placement-group bundle one worker (one rank of a group) reserves."""
         bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         return {k: float(v) for k, v in bundle.items() if v}
 
@@ -52,6 +64,22 @@ class PoolConfig:
             raise ConfigError(f"pools.{name}.resources: must map resource names to numbers >= 0")
         if not self.bundle():
             raise ConfigError(f"pools.{name}: a worker must reserve some resource (num_cpus, num_gpus or resources)")
+        if type(self.tensor_parallel) is not int or self.tensor_parallel < 1:
+            raise ConfigError(f"pools.{name}.tensor_parallel: must be an integer >= 1, got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and name != "target":
+            raise ConfigError(f"pools.{name}.tensor_parallel: only target workers run as groups, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.num_gpus != int(self.num_gpus):
+            raise ConfigError(f"pools.{name}.num_gpus: each rank of a group needs whole devices, got {self.num_gpus}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"pools.{name}.placement: {self.placement!r} is not one of {list(PLACEMENTS)}")
+
+    def check_fits(self, name: str, gpus: int, cpus: int | None) -> None:
+        """Refuse, before Ray starts, a group needing more devices (or CPUs) than the one machine of an embedded Ray has."""
+        ranks = self.tensor_parallel
+        if self.num_gpus and ranks * self.num_gpus > gpus:
+            raise ConfigError(f"pools.{name}.tensor_parallel: {ranks} ranks of {self.num_gpus:g} GPU each exceed the {gpus} visible devices")
+        if cpus is not None and ranks * self.num_cpus > cpus:
+            raise ConfigError(f"pools.{name}.tensor_parallel: {ranks} ranks of {self.num_cpus:g} CPU each exceed ray.num_cpus {cpus}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +88,7 @@ class ServiceConfig:
 
     target: str | None = None
     drafter: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     feature_layers: tuple[int, ...] | None = None
     allow_manifest_mismatch: bool = False
     tree: TreePolicy = TreePolicy()
@@ -72,7 +100,9 @@ class ServiceConfig:
     rpc_timeout_s: float = 120.0
     ready_timeout_s: float = 600.0
     max_rebuilds: int = 8
+    draft_ahead: int = 0
     metrics_port: int | None = None
+    max_request_bytes: int = 1 << 20  # largest front-door message, refused before it is decoded
     ray_num_cpus: int | None = None
 
     @classmethod
@@ -91,7 +121,7 @@ class ServiceConfig:
         models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "feature_layers", "allow_manifest_mismatch"})
         pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
         network = _take(sections.get("network") or {}, "network.", {"host", "token"})
-        service = _take(sections.get("service") or {}, "service.", {"max_active", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port"})
+        service = _take(sections.get("service") or {}, "service.", {"max_active", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
         ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
         try:
             tree = TreePolicy.from_dict(sections.get("tree"))
@@ -101,7 +131,7 @@ class ServiceConfig:
         config = cls(
             target=_path(models.get("target")),
             drafter=_path(models.get("drafter")),
-            dtype=models.get("dtype", "float32"),
+            dtype=models.get("dtype", "auto"),
             feature_layers=tuple(layers) if layers is not None else None,
             allow_manifest_mismatch=bool(models.get("allow_manifest_mismatch", False)),
             tree=tree,
@@ -116,12 +146,16 @@ class ServiceConfig:
         return config
 
     def check(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"models.dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"models.dtype: {self.dtype!r} is not auto or one of {sorted(DTYPES)}")
         self.draft_pool.check("draft")
         self.target_pool.check("target")
         if type(self.max_active) is not int or self.max_active < 1:
             raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
+        if type(self.max_request_bytes) is not int or not 1024 <= self.max_request_bytes <= 256 << 20:
+            raise ConfigError(f"service.max_request_bytes: must be an integer 1024..{256 << 20}, got {self.max_request_bytes!r}")
+        if type(self.draft_ahead) is not int or not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
+            raise ConfigError(f"service.draft_ahead: must be an integer in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead!r}")
         if type(self.max_rebuilds) is not int or self.max_rebuilds < 0:
             raise ConfigError(f"service.max_rebuilds: must be an integer >= 0, got {self.max_rebuilds!r}")
         if self.metrics_port is not None and (type(self.metrics_port) is not int or not 0 <= self.metrics_port < 65536):
@@ -154,9 +188,19 @@ class ServiceConfig:
             feature_layers=self.feature_layers,
             allow_manifest_mismatch=self.allow_manifest_mismatch,
             host=self.host,
-            token=self.shared_token,
             threads=pool.threads,
+            tensor_parallel=pool.tensor_parallel,
+            draft_ahead=self.draft_ahead,
         )
+
+    def check_target_split(self) -> None:
+        """Refuse a target group that would not split the target's heads, kv heads, experts or vocabulary evenly."""
+        target, _ = self.models()
+        config = AutoConfig.from_pretrained(target).get_text_config(decoder=True)
+        try:
+            check_shardable(config, self.target_pool.tensor_parallel)
+        except ShardError as exc:
+            raise ConfigError(f"pools.target.{exc}") from None
 
 
 def _take(section: Any, prefix: str, allowed: set[str]) -> dict:

@@ -1,0 +1,138 @@
+"""`eyas bench` and its subcommands: peers, tree, service, runtime, trace; each writes one JSON record."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from eyas.assets import DEFAULT_DRAFTER
+
+from ..loading import quiet_loading
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    """Benchmark eyas against Hugging Face (plain and assisted), vLLM (plain and EAGLE) and its own service."""
+    from .peers import SYSTEMS, main_bench
+
+    quiet_loading()
+    systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else SYSTEMS
+    result = main_bench(
+        args.suite, args.json, args.png, args.prompts, systems, args.blocks, args.max_new_tokens, args.vllm_k, args.vllm_k_scan,
+        args.dtype, args.draft_ahead,
+    )
+    for entry in result["systems"]:
+        speedup = entry["speedup_vs_hf"]
+        accept = entry["mean_accept_length"]
+        print(
+            f"{entry['system']:>13} {entry['drafter']:>8} t={entry['temperature']:<4} {entry['tokens_per_s']:8.1f} tok/s"
+            f"  x{speedup or 0:5.2f}  accept {accept or 0:5.2f}"
+        )
+    return 0
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    """`tree: auto` against a grid of fixed trees on the demo models, interleaved on the same prompts."""
+    import torch
+
+    from .harness import write_json
+    from .tree import run
+
+    quiet_loading()
+    torch.set_num_threads(args.threads)
+    write_json(run(args.drafter, args.prompts, args.blocks, args.max_new_tokens, args.temperature), args.json)
+    return 0
+
+
+def run_and_write(module: str, args: argparse.Namespace) -> int:
+    """Run `eyas.client.bench.<module>.run(args)` and write its JSON record (imported on use: it loads torch)."""
+    harness = importlib.import_module(".harness", __package__)
+    bench = importlib.import_module(f".{module}", __package__)
+    quiet_loading()
+    harness.write_json(bench.run(args), args.json)
+    return 0
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    """The service's time per round against the in-process engine's, split by phase, and what concurrency buys."""
+    return run_and_write("service", args)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """What tracing costs per round in process: tracing off against on, and the recorder's own cost."""
+    return run_and_write("trace", args)
+
+
+def cmd_runtime(args: argparse.Namespace) -> int:
+    """The runtime against one plain Hugging Face step: verify by rows and phase, rounds against context, batches."""
+    return run_and_write("runtime", args)
+
+
+def add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `eyas bench peers|tree|service|runtime|trace` on the top-level parser's subcommands."""
+    bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    peers = kinds.add_parser("peers", help="eyas against HF, HF assisted, vLLM and vLLM EAGLE", description=cmd_peers.__doc__)
+    peers.add_argument("--suite", default="demo", help="model and prompt suite (demo: the bundled models)")
+    peers.add_argument("--json", required=True, help="where the JSON results go")
+    peers.add_argument("--png", help="directory for PNG charts")
+    peers.add_argument("--prompts", type=int, default=30, help="held-out prompts (default 30)")
+    peers.add_argument("--systems", help="comma-separated subset of hf,hf-assisted,vllm,vllm-eagle,eyas,eyas-service")
+    peers.add_argument("--blocks", type=int, default=3, help="prompt blocks interleaved across systems (default 3)")
+    peers.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    peers.add_argument("--vllm-k", type=int, help="vLLM EAGLE drafts per step (default: the last --vllm-k-scan's best, else 3)")
+    peers.add_argument("--vllm-k-scan", action="store_true", help="scan vLLM EAGLE's k over 1..6 first (six more vLLM runs) and use the best")
+    peers.add_argument("--dtype", default="auto", help="the target's dtype in every system (auto: float32 on CPU)")
+    peers.add_argument("--draft-ahead", type=int, default=0, help="trees eyas drafts ahead per round (default 0: off)")
+    peers.set_defaults(func=cmd_peers)
+
+    tree = kinds.add_parser("tree", help="tree auto against a grid of fixed trees", description=cmd_tree.__doc__)
+    tree.add_argument("--drafter", default="eagle3", choices=("eagle1", "hass", "eagle3"))
+    tree.add_argument("--prompts", type=int, default=20)
+    tree.add_argument("--blocks", type=int, default=2)
+    tree.add_argument("--max-new-tokens", type=int, default=64)
+    tree.add_argument("--temperature", type=float, default=0.0)
+    tree.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
+    tree.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    tree.set_defaults(func=cmd_tree)
+
+    service = kinds.add_parser("service", help="service overhead per round and concurrency", description=cmd_service.__doc__)
+    service.add_argument("--target", help="target directory (default: the bundled demo target)")
+    service.add_argument("--drafter", help="drafter directory (default: the bundled demo EAGLE-3 drafter)")
+    service.add_argument("--requests", type=int, default=8, help="requests, also the concurrency of the second run")
+    service.add_argument("--prompt-tokens", type=int, default=32)
+    service.add_argument("--max-new-tokens", type=int, default=64)
+    service.add_argument("--repeats", type=int, default=3, help="alternate in-process and service runs this often")
+    service.add_argument("--seed", type=int, default=0)
+    service.add_argument("--prompts-from", help="text file the prompts are cut from (default: random token ids)")
+    service.add_argument("--draft-workers", type=int, default=1)
+    service.add_argument("--target-workers", type=int, default=1)
+    service.add_argument("--draft-ahead", type=int, default=0, help="trees drafted ahead per round, in process and in the draft worker")
+    service.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    service.set_defaults(func=cmd_service)
+
+    runtime = kinds.add_parser("runtime", help="the runtime against a plain HF step; batches", description=cmd_runtime.__doc__)
+    runtime.add_argument("--target", help="target directory (default: the bundled demo target)")
+    runtime.add_argument("--drafter", help="drafter directory (default: the bundled demo EAGLE-3 drafter)")
+    runtime.add_argument("--tree", default="auto", help='"auto" (default) or a fixed tree as width,depth,budget')
+    runtime.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
+    runtime.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    runtime.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    runtime.add_argument("--short-context", type=int, default=100)
+    runtime.add_argument("--long-context", type=int, default=1700)
+    runtime.add_argument("--context-prompts", type=int, default=3, help="prompts per context length")
+    runtime.add_argument("--batch", type=int, default=8, help="requests in the generate_batch measurement")
+    runtime.add_argument("--max-new-tokens", type=int, default=64)
+    runtime.add_argument("--repeats", type=int, default=20, help="timed calls per forward measurement")
+    runtime.add_argument("--draft-ahead", type=int, default=2, help="trees drafted ahead in the hit-rate measurement (0: skip it)")
+    runtime.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    runtime.set_defaults(func=cmd_runtime)
+
+    trace = kinds.add_parser("trace", help="what tracing costs per round", description=cmd_trace.__doc__)
+    trace.add_argument("--target", help="target directory (default: the bundled demo target)")
+    trace.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
+    trace.add_argument("--max-new-tokens", type=int, default=64)
+    trace.add_argument("--repeats", type=int, default=5)
+    trace.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
+    trace.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    trace.set_defaults(func=cmd_trace)

@@ -1,0 +1,205 @@
+"""`eyas bench runtime`: what eyas's own runtime costs against one plain Hugging Face decode step.
+
+Three measurements, each against a peer timed in the same run on the same model and dtype:
+- the verify forward of 1, 9 and 33 tree rows on a committed prefix, split into packing, the
+  layers, the LM head and the acceptance decision, against one plain HF step (KV cache, one token);
+- time per round at a short and a long context against the HF step at the same two contexts
+  (a commit moves only the accepted rows, so a round should grow no faster than a plain step);
+- `Engine.generate_batch` of several requests against the same requests one at a time.
+Prompts are held-out standard-library text (never trained on by the demo models).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from eyas.demo.corpus import collect
+from eyas.engine import Engine
+from eyas.runtime.batch import pack
+from eyas.sampling import SamplingParams
+from eyas.target import TargetSession
+from eyas.tree import DraftTree, flatten
+from eyas.verify import decide
+
+from .harness import demo_suite
+
+
+def median_ms(run: Callable[[], object], repeats: int) -> float:
+    """Median wall milliseconds of `run` over `repeats` calls, after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def heldout_ids(engine: Engine, length: int, count: int) -> list[list[int]]:
+    """`count` windows of `length` tokens from the held-out standard-library modules."""
+    ids = []
+    for doc in collect().heldout:
+        ids += engine.tokenize(doc.text)
+        if len(ids) >= length * count:
+            break
+    return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def chain_tree(root: int, rows: int, prefix_len: int):
+    """A flattened chain of `rows` rows (root included): the widest mask a tree of that size can have."""
+    tree = DraftTree(root)
+    node = 0
+    for token in range(1, rows):
+        (node,) = tree.add_children([node], [(node, token, 0.5)])
+    return flatten(tree, tree.select(rows - 1), prefix_len)
+
+
+class PlainStep:
+    """One Hugging Face decode step (one new token on a KV cache of the context), dropped again after timing."""
+
+    def __init__(self, model: torch.nn.Module, context: list[int]):
+        self.model = model
+        self.cache = DynamicCache()
+        with torch.no_grad():
+            model(torch.tensor([context]), past_key_values=self.cache, use_cache=True)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        self.model(torch.tensor([[7]]), past_key_values=self.cache, use_cache=True)
+        self.cache.crop(-1)
+
+
+def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_list: tuple[int, ...], repeats: int) -> dict:
+    """The verify forward of each row count on `context`, by phase, against one plain HF step."""
+    target = engine.target
+    session = TargetSession(target)
+    session.prefill(0, context)
+    plain = median_ms(PlainStep(hf, context), repeats)
+    entries = []
+    try:
+        for rows in rows_list:
+            tree = chain_tree(context[-1], rows, len(context))
+            call = target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+            packed = pack([call.rows], target.pool)
+            out = target.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, target.taps)
+            logits = target.runtime.logits(packed.rows(out.hidden)).cpu()
+            phases = {
+                "pack_ms": median_ms(lambda: pack([call.rows], target.pool), repeats),
+                "layers_ms": median_ms(lambda: target.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, target.taps), repeats),
+                "lm_head_ms": median_ms(lambda: target.runtime.logits(packed.rows(out.hidden)), repeats),
+                "decide_ms": median_ms(lambda: decide(tree, logits, SamplingParams()), repeats),
+                "verify_ms": median_ms(lambda: target.run([call]), repeats),
+            }
+            entries.append({"rows": rows, **phases, "verify_over_plain_step": phases["verify_ms"] / plain})
+    finally:
+        session.close()
+    return {"context": len(context), "plain_step_ms": plain, "rows": entries}
+
+
+def round_ms(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Mean milliseconds per round (drafting, tree, verification, publish) over `prompts`."""
+    seconds, rounds = 0.0, 0
+    for prompt in prompts:
+        stats = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False).stats
+        seconds += sum(v for k, v in stats.seconds.items() if k != "prefill")
+        rounds += stats.rounds
+    return 1000 * seconds / rounds
+
+
+def context_scaling(
+    engine: Engine, hf: torch.nn.Module, short: list[list[int]], long: list[list[int]], max_new_tokens: int, repeats: int
+) -> dict:
+    """Round time on long contexts over short ones, against the same ratio for one plain HF step."""
+    result = {}
+    for name, contexts in (("short", short), ("long", long)):
+        result[name] = {
+            "context": len(contexts[0]),
+            "round_ms": round_ms(engine, contexts, max_new_tokens),
+            "plain_step_ms": statistics.median(median_ms(PlainStep(hf, c), repeats) for c in contexts),
+        }
+    result["round_ratio"] = result["long"]["round_ms"] / result["short"]["round_ms"]
+    result["plain_step_ratio"] = result["long"]["plain_step_ms"] / result["short"]["plain_step_ms"]
+    result["goal_met"] = result["round_ratio"] <= result["plain_step_ratio"]
+    return result
+
+
+def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Aggregate tokens/s of `generate_batch` over the prompts against the same prompts one at a time."""
+    start = time.perf_counter()
+    alone = [engine.generate(p, max_new_tokens=max_new_tokens, stop_at_eos=False) for p in prompts]
+    alone_s = time.perf_counter() - start
+    start = time.perf_counter()
+    together = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False)
+    batch_s = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in together)
+    return {
+        "requests": len(prompts),
+        "one_at_a_time_tokens_per_s": sum(len(g.token_ids) for g in alone) / alone_s,
+        "batch_tokens_per_s": tokens / batch_s,
+        "batch_over_one_at_a_time": (tokens / batch_s) / (sum(len(g.token_ids) for g in alone) / alone_s),
+        "identical_outputs": [g.token_ids for g in alone] == [g.token_ids for g in together],
+    }
+
+
+AHEAD_TREES = ({"width": 1, "depth": 8, "budget": 8}, {"width": 8, "depth": 5, "budget": 32})
+
+
+def draft_ahead(target: Path, drafter: Path, prompts: list[list[int]], ahead: int, max_new_tokens: int, dtype: str) -> dict:
+    """Hit rate of trees drafted ahead, and the acceptance of hit rounds against freshly drafted ones, per tree and
+    temperature."""
+    result = {}
+    for tree in AHEAD_TREES:
+        for temperature in (0.0, 0.7):
+            engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=dtype, draft_ahead=ahead)
+            rounds = hits = hit_tokens = tokens = 0
+            for i, prompt in enumerate(prompts):
+                stats = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=i, stop_at_eos=False).stats
+                rounds, hits = rounds + stats.rounds, hits + stats.ahead_rounds
+                hit_tokens, tokens = hit_tokens + stats.ahead_tokens, tokens + stats.tokens
+            result[f"{tree['width']}/{tree['depth']}/{tree['budget']} t={temperature}"] = {
+                "rounds": rounds,
+                "hits": hits,
+                "hit_rate": hits / rounds,
+                "accept_on_hits": hit_tokens / hits if hits else None,
+                "accept_fresh": (tokens - hit_tokens) / (rounds - hits) if rounds > hits else None,
+            }
+    return result
+
+
+def run(args) -> dict:
+    """The whole runtime benchmark on the demo target (or the given models) as one JSON record."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    suite = demo_suite(args.batch)
+    target = Path(args.target) if args.target else suite.target
+    drafter = Path(args.drafter) if args.drafter else suite.drafters["eagle3"]
+    tree = "auto" if args.tree == "auto" else dict(zip(("width", "depth", "budget"), map(int, args.tree.split(","))))
+    engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=args.dtype, device=args.device)
+    dtype = engine.target.runtime.dtype
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(engine.target.runtime.device).eval()
+    context = heldout_ids(engine, args.short_context, 1)[0]
+    record = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads()},
+        "config": {"target": str(target), "drafter": str(drafter), "dtype": str(dtype).removeprefix("torch."),
+                   "device": str(engine.target.runtime.device), "tree": args.tree},
+        "verify": verify_phases(engine, hf, context, (1, 9, 33), args.repeats),
+        "context_scaling": context_scaling(
+            engine,
+            hf,
+            heldout_ids(engine, args.short_context, args.context_prompts),
+            heldout_ids(engine, args.long_context, args.context_prompts),
+            args.max_new_tokens,
+            args.repeats,
+        ),
+        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens),
+    }
+    if args.draft_ahead:
+        record["draft_ahead"] = draft_ahead(target, drafter, suite.prompts[: args.batch], args.draft_ahead, args.max_new_tokens, args.dtype)
+    return record

@@ -1,0 +1,25 @@
+"""The call metadata every eyas server and client agree on: the shared-token key and the field trailer.
+
+A client attaches the shared token as `x-eyas-token` metadata; a refused call names the field it
+concerns in an `eyas-field` trailer. Plain data, so a client needs neither the servers nor Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+TOKEN_KEY = "x-eyas-token"
+FIELD_KEY = "eyas-field"
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata a client attaches to every call (empty without a token)."""
+    return ((TOKEN_KEY, token),) if token else ()
+
+
+def field_of(trailing_metadata: Iterable[tuple[str, str]] | None) -> str:
+    """The field a failed call names, from its trailing metadata (`error.trailing_metadata()`); "" when none."""
+    for key, value in trailing_metadata or ():
+        if key == FIELD_KEY:
+            return value
+    return ""

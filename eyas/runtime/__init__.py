@@ -1,0 +1,24 @@
+"""eyas's execution layer: its own Llama-family forward, a preallocated KV pool, batched rows, devices.
+
+See docs/runtime.md for the KV layout, how a tree is written and committed, and how a batch is packed.
+"""
+
+from .batch import Batcher, Rendezvous, RowsCall, pack
+from .device import resolve_device, resolve_dtype
+from .kv import KVCapacityError, KVPool, PassThroughKV, SlotBatch
+from .model import SUPPORTED_MODEL_TYPES, CausalLM
+
+__all__ = [
+    "Batcher",
+    "CausalLM",
+    "KVCapacityError",
+    "KVPool",
+    "PassThroughKV",
+    "Rendezvous",
+    "RowsCall",
+    "SUPPORTED_MODEL_TYPES",
+    "SlotBatch",
+    "pack",
+    "resolve_device",
+    "resolve_dtype",
+]

@@ -1,0 +1,53 @@
+"""Where a model runs and in which dtype: `cpu`, `cuda` or `cuda:N`; float32 on CPU and the checkpoint's half
+dtype (or bfloat16) on CUDA unless told."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device from a name; refuses CUDA where none is visible, naming what was asked."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} was requested but no CUDA device is visible to this process")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device} is not cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str | None = None) -> torch.dtype:
+    """None or "auto": float32 on CPU; on CUDA the checkpoint's `stored` half dtype, else bfloat16. Otherwise the
+    named dtype.
+
+    float32 is the CPU default because only there is the output of a request exactly independent of its tree and
+    its batch-mates in practice: in half precision a batched or tree forward rounds differently from a plain
+    step, so a near-tie can resolve differently (bfloat16 is about twice as fast on a CPU with bf16 units).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES[stored] if stored in ("bfloat16", "float16") else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not auto or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's on CUDA; float32 on CPU, where half-precision attention kernels
+    are several times slower than float32 ones at long contexts (k and v are stored exactly)."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def stored_dtype(model_dir: str | Path) -> str | None:
+    """The dtype a Hugging Face checkpoint declares in its config.json (`dtype` or `torch_dtype`), if any."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config") or config
+    return config.get("dtype") or config.get("torch_dtype")

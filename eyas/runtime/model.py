@@ -1,0 +1,237 @@
+"""The Llama-family forward eyas serves with: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral
+(sliding window, applied by the caller's mask) and Mixtral (sparse MoE), from a local HF directory.
+
+Weights are fused at load (q/k/v into one projection, gate/up into one, experts stacked), rotary
+tables are computed once, and feature taps are plain return values. A `Shard` makes the same model one
+rank of a tensor-parallel group (runtime/shard.py, docs/groups.md): it loads only its part of each
+tensor and sums partial results with one all-reduce after o, one after the MLP, one for the embedding. KV goes wherever the
+`kv` argument writes it (a `SlotBatch` of the worker's pool). Hugging Face's modeling code is the
+reference the tests compare against; this is the serving path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from ..drafters.layers import rotary_tables
+from .kv import TREE_HEADROOM
+from .shard import Shard, check_shardable, dims, shard_selection
+from .weights import WeightsError, load_state, router_name, take, take_experts, take_optional
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in float32, scale in the input dtype."""
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [..., hd] with the half-split convention of Llama checkpoints."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@dataclass
+class Layer:
+    """One decoder layer's fused weights."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KVH) hd, d]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [d, H hd]
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [hd] (Qwen3)
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # dense [2I, d] or experts [E, 2I, d]
+    down: torch.Tensor  # dense [d, I] or experts [E, d, I]
+    router: torch.Tensor | None = None  # [E, d] (Mixtral)
+
+
+@dataclass
+class ForwardOut:
+    hidden: torch.Tensor  # [B, N, d] after the final norm
+    taps: list[torch.Tensor]  # inputs of the requested layers, each [B, N, d]
+    routed: list[torch.Tensor]  # MoE: chosen experts per layer, each [B, N, top_k]
+
+
+class CausalLM:
+    """A frozen Llama-family decoder with fused weights on one device; `forward` runs packed rows over a KV batch.
+
+    With a `shard` of size N > 1 it holds one rank's part (`heads`, `kv_heads` and `local_experts` are then
+    this rank's; `vocab_size` stays the model's) and its collectives meet the other ranks' forwards.
+    """
+
+    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, shard: Shard = Shard()):
+        check_shardable(config, shard.size)
+        self.config = config
+        self.shard = shard
+        self.model_type = config.model_type
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        self.dtype, self.device = dtype, device
+        self.vocab_size = int(config.vocab_size)
+        self.hidden_size = d = int(config.hidden_size)
+        self.num_layers = int(config.num_hidden_layers)
+        heads, kv_heads, hd = dims(config)
+        self.heads, self.kv_heads, self.head_dim = heads // shard.size, kv_heads // shard.size, hd  # this rank's
+        self.eps = float(config.rms_norm_eps)
+        self.act = ACT2FN[config.hidden_act]
+        self.experts = int(getattr(config, "num_local_experts", 0) or 0)
+        self.local_experts = shard.span(self.experts)
+        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        inner = int(config.intermediate_size)
+        inner_local = inner if self.experts else inner // shard.size  # experts stay whole (expert parallel)
+        vocab_local = self.vocab_size // shard.size
+        qkv_rows = (self.heads + 2 * self.kv_heads) * hd
+
+        def fetch(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            return take(state, name, shape).to(device)
+
+        def fetch_optional(name: str) -> torch.Tensor | None:
+            tensor = take_optional(state, name)
+            return None if tensor is None else tensor.to(device)
+
+        self.embed = fetch("embed_tokens.weight", (vocab_local, d))
+        self.layers: list[Layer] = []
+        for i in range(self.num_layers):
+            p = f"layers.{i}"
+            qkv = torch.cat([take(state, f"{p}.self_attn.{x}_proj.weight") for x in "qkv"])  # [(H + 2 KVH) hd, d]
+            if qkv.shape != (qkv_rows, d):
+                raise WeightsError(f"{p}.self_attn: fused q/k/v has shape {tuple(qkv.shape)}, expected {(qkv_rows, d)}")
+            biases = [take_optional(state, f"{p}.self_attn.{x}_proj.bias") for x in "qkv"]
+            qkv_bias = torch.cat(biases).to(device) if all(b is not None for b in biases) else None
+            if self.experts:
+                router = fetch(router_name(state, p), (self.experts, d))
+                gate_up, down = take_experts(state, p, self.local_experts, d, inner)
+            else:
+                router = None
+                gate_up = torch.cat([take(state, f"{p}.mlp.{x}_proj.weight", (inner_local, d)) for x in ("gate", "up")])  # [2I, d]
+                down = take(state, f"{p}.mlp.down_proj.weight", (d, inner_local))
+            self.layers.append(
+                Layer(
+                    input_norm=fetch(f"{p}.input_layernorm.weight", (d,)),
+                    qkv=qkv.to(device),
+                    qkv_bias=qkv_bias,
+                    o=fetch(f"{p}.self_attn.o_proj.weight", (d, self.heads * hd)),
+                    o_bias=fetch_optional(f"{p}.self_attn.o_proj.bias"),
+                    q_norm=fetch_optional(f"{p}.self_attn.q_norm.weight"),
+                    k_norm=fetch_optional(f"{p}.self_attn.k_norm.weight"),
+                    post_norm=fetch(f"{p}.post_attention_layernorm.weight", (d,)),
+                    gate_up=gate_up.to(device),
+                    down=down.to(device),
+                    router=router,
+                )
+            )
+        self.norm = fetch("norm.weight", (d,))
+        head = take_optional(state, "lm_head.weight")
+        if head is None:
+            if not getattr(config, "tie_word_embeddings", False):
+                raise WeightsError("missing tensor lm_head.weight and the embeddings are not tied")
+            self.lm_head = self.embed
+        else:
+            self.lm_head = head.to(device)
+        cos, sin = rotary_tables(LlamaRotaryEmbedding(config), max(self.max_positions, 1) + TREE_HEADROOM)  # [P, hd]
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", shard: Shard = Shard()
+    ) -> "CausalLM":
+        """Load a local Hugging Face directory (config.json + safetensors) onto `device` in `dtype`; a rank of a
+        tensor-parallel group reads only its `shard` of each tensor."""
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{path}: model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        config = AutoConfig.from_pretrained(path).get_text_config(decoder=True)
+        check_shardable(config, shard.size)
+        state = load_state(path, dtype, lambda name: shard_selection(name, config, shard))
+        return cls(config, state, dtype, torch.device(device), shard)
+
+    def sliding_window(self) -> int | None:
+        """The attention window every layer applies, or None for full attention."""
+        window = getattr(self.config, "sliding_window", None)
+        types = set(getattr(self.config, "layer_types", None) or [])
+        if window is None or types == {"full_attention"} or getattr(self.config, "use_sliding_window", True) is False:
+            return None
+        if len(types) > 1:
+            raise ValueError("hybrid sliding/full attention layers are not supported by tree verification")
+        return int(window)
+
+    def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        hd = self.head_dim
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [B, N, (H + 2 KVH) hd]
+        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = q.view(b, n, self.heads, hd)
+        k = k.view(b, n, self.kv_heads, hd)
+        if layer.q_norm is not None:
+            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
+        q = rotate(q.transpose(1, 2), cos, sin)  # [B, H, N, hd]
+        k = rotate(k.transpose(1, 2), cos, sin)  # [B, KVH, N, hd]
+        keys, values = kv.append(k, v.view(b, n, self.kv_heads, hd).transpose(1, 2), index)  # [B, KVH, K, hd]
+        q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        out = out.to(x.dtype).transpose(1, 2).reshape(b, n, self.heads * hd)
+        out = self.shard.all_reduce(F.linear(out, layer.o))  # [B, N, d], summed over the ranks' heads
+        return out if layer.o_bias is None else out + layer.o_bias
+
+    def mlp(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if layer.router is None:
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            return self.shard.all_reduce(F.linear(self.act(gate) * up, layer.down)), None
+        flat = x.reshape(-1, x.shape[-1])  # [R, d]
+        probs = F.softmax(F.linear(flat, layer.router).float(), dim=-1)  # [R, E]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [R, top_k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for expert in chosen.unique().tolist():
+            if expert not in self.local_experts:
+                continue  # another rank's expert: its rows arrive through the all-reduce
+            rows, slot = torch.where(chosen == expert)
+            local = expert - self.local_experts.start
+            gate, up = F.linear(flat[rows], layer.gate_up[local]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, layer.down[local]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return self.shard.all_reduce(out).view_as(x), chosen.view(*x.shape[:-1], self.top_k)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor, taps: tuple[int, ...] = ()) -> ForwardOut:
+        """tokens, positions [B, N]; mask [B, 1, N, K] bool over the K slot positions `kv` reads."""
+        x = self.shard.embed(tokens, self.embed)  # [B, N, d]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, N, hd]
+        tapped, routed = [], []
+        for index, layer in enumerate(self.layers):
+            if index in taps:
+                tapped.append(x)
+            x = x + self.attention(layer, index, rms_norm(x, layer.input_norm, self.eps), cos, sin, kv, mask)
+            y, chosen = self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
+            x = x + y
+            if chosen is not None:
+                routed.append(chosen)
+        return ForwardOut(rms_norm(x, self.norm, self.eps), [tapped[sorted(set(taps)).index(i)] for i in taps], routed)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor (each once), e.g. to count the bytes the model holds."""
+        layer_tensors = [t for layer in self.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        unique = {id(t): t for t in [self.embed, self.norm, self.lm_head, *layer_tensors]}
+        return list(unique.values())
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] final hidden states -> [..., V] float32 logits (every rank of a group takes part)."""
+        return self.shard.gather_last(F.linear(hidden, self.lm_head).float())

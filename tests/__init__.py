@@ -1,0 +1,1 @@
+"""eyas's tests; a package so that `tests.helpers` imports without touching sys.path."""

@@ -1,0 +1,145 @@
+"""Many requests per forward: `Engine.generate_batch` steps every request together, and a request's output
+never depends on its batch-mates (greedy and seeded sampling); the KV pool returns to its baseline and
+refuses, with the capacity named, what cannot fit."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from tests.helpers.tiny import make_drafter, make_target
+from transformers import AutoModelForCausalLM
+
+from eyas import Engine
+from eyas.errors import RequestError
+from eyas.target import TargetSession
+from eyas.tree import TreeError
+
+PROMPTS = [
+    [5, 17, 33, 8, 9, 41, 77, 12],
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 7],
+    [5, 9, 5, 9, 5, 9, 5],
+    [3],
+    list(range(10, 90)),
+    [40, 41],
+    [11, 22, 33, 44, 55, 66],
+    list(range(60, 20, -1)),
+]
+LIMITS = [24, 40, 8, 31, 16, 40, 3, 20]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    target = make_target(root / "target", "qwen2", init_std=0.1)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    drafter = make_drafter(root / "eagle3", target, "eagle3")
+    return target, drafter, model
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_batch_of_eight_equals_each_alone_and_hugging_face(world):
+    target, drafter, model = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 4, "depth": 4, "budget": 12})
+    references = [hf_greedy(model, p, n) for p, n in zip(PROMPTS, LIMITS)]
+    eos = references[1][5]  # one request meets its end-of-sequence token early
+    engine.target.generation_config.eos_token_id = eos
+    alone = [engine.generate(p, max_new_tokens=n) for p, n in zip(PROMPTS, LIMITS)]
+    together = engine.generate_batch(PROMPTS, max_new_tokens=LIMITS)
+    for one, many, reference in zip(alone, together, references):
+        assert many.token_ids == one.token_ids
+        assert many.finish_reason == one.finish_reason
+        cut = reference.index(eos) + 1 if eos in reference else len(reference)
+        assert many.token_ids == reference[:cut]
+    assert together[1].finish_reason == "eos" and len(together[1].token_ids) <= 6
+    assert engine.target.pool.free_slots == engine.target.pool.slots
+    assert engine.draft.pool.free_slots == engine.draft.pool.slots
+
+
+def test_seeded_sampling_is_independent_of_batch_mates(world):
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 3, "depth": 3, "budget": 8})
+    seeds = list(range(100, 108))
+    alone = [engine.generate(p, max_new_tokens=12, temperature=0.8, seed=s).token_ids for p, s in zip(PROMPTS, seeds)]
+    together = engine.generate_batch(PROMPTS, max_new_tokens=12, temperature=0.8, seed=seeds)
+    assert [g.token_ids for g in together] == alone
+    other_mates = engine.generate_batch([PROMPTS[0], PROMPTS[5]], max_new_tokens=12, temperature=0.8, seed=[seeds[0], 999])
+    assert other_mates[0].token_ids == alone[0]
+
+
+def test_a_bfloat16_batch_equals_each_alone(world):
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 3, "depth": 3, "budget": 8}, dtype="bfloat16")
+    alone = [engine.generate(p, max_new_tokens=n).token_ids for p, n in zip(PROMPTS, LIMITS)]
+    assert [g.token_ids for g in engine.generate_batch(PROMPTS, max_new_tokens=LIMITS)] == alone
+
+
+def test_calls_in_flight_together_run_as_one_batch(world):
+    """A worker's compute threads: each call joins the rendezvous while it runs, so the forwards of calls
+    in flight together batch, whatever their phase, and each result equals the call run alone."""
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 3, "depth": 3, "budget": 8})
+    requests = [engine.new_request(p, max_new_tokens=4) for p in PROMPTS]
+    alone = []
+    for request in requests:
+        t, d = engine.sessions(request)
+        alone.append(t.prefill(0, request.tokens[:-1]))
+        t.close(), d.close()
+    rendezvous, batcher = engine.target.batcher.rendezvous, engine.target.batcher
+    before = (batcher.batches, batcher.calls)
+    gate = threading.Barrier(len(requests))
+
+    def call(request):
+        session = TargetSession(engine.target)
+        rendezvous.join()
+        try:
+            gate.wait()
+            return session.prefill(0, request.tokens[:-1])
+        finally:
+            rendezvous.leave()
+            session.close()
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(call, requests))
+    forwards = sum(len(r.tokens) > 1 for r in requests)  # a one-token prompt has nothing to prefill
+    assert batcher.calls - before[1] == forwards and batcher.batches - before[0] < forwards
+    for one, many in zip(alone, together):
+        assert torch.allclose(one, many, atol=1e-5)
+
+
+def test_more_requests_than_slots_wait_for_one(world):
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4}, kv_slots=3)
+    alone = [engine.generate(p, max_new_tokens=6).token_ids for p in PROMPTS]
+    assert [g.token_ids for g in engine.generate_batch(PROMPTS, max_new_tokens=6)] == alone
+    assert engine.target.pool.free_slots == 3
+
+
+def test_a_request_larger_than_the_pool_is_refused_and_changes_nothing(world):
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4}, max_seq_len=64)
+    with pytest.raises(RequestError, match="KV capacity of 64 positions"):
+        engine.generate_batch([PROMPTS[0], list(range(1, 61))], max_new_tokens=8)
+    assert engine.target.pool.free_slots == engine.target.pool.slots
+    good = engine.generate_batch([PROMPTS[0], PROMPTS[2]], max_new_tokens=8)
+    assert [g.token_ids for g in good] == [engine.generate(p, max_new_tokens=8).token_ids for p in (PROMPTS[0], PROMPTS[2])]
+
+
+def test_a_failing_request_returns_its_slots(world):
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4})
+
+    def fail(record):
+        raise RuntimeError("stopped by the caller mid-request")
+
+    with pytest.raises(RuntimeError, match="mid-request"):
+        engine.generate([3, 4], max_new_tokens=8, on_round=fail)
+    with pytest.raises(TreeError, match="budget"):  # more tree rows than a slot keeps for scratch: refused up front
+        engine.generate([3, 4], max_new_tokens=4, tree={"width": 16, "depth": 20, "budget": 300})
+    assert engine.target.pool.free_slots == engine.target.pool.slots
+    assert engine.draft.pool.free_slots == engine.draft.pool.slots

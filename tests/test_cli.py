@@ -1,0 +1,93 @@
+"""The `eyas` command line without a service: light start, version, one exit status per kind of error.
+
+Every command runs in its own process, as a user runs it.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from tests.helpers.tiny import make_drafter, make_target
+
+EYAS = [sys.executable, "-m", "eyas.client.cli"]
+
+
+def eyas(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*EYAS, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = make_target(root / "target")
+    return target, make_drafter(root / "eagle1", target, "eagle1")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    probe = (
+        "import sys\n"
+        "from eyas.client.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_version_names_the_installed_package():
+    done = eyas("--version")
+    assert (done.returncode, done.stdout.split()[0]) == (0, "eyas")
+
+
+def test_a_missing_target_is_bad_input_locally_and_through_the_service(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    local = eyas("generate", "--local", "--target", missing, "--prompt", "x")
+    served = eyas("generate", "--target", missing, "--prompt", "x", EYAS_SERVER=f"127.0.0.1:{free_port()}")
+    for done in (local, served):
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and "Errno" not in done.stderr
+        assert f"{missing} is not a model directory" in done.stderr.splitlines()[-1]
+    assert "starting an embedded one" in served.stderr
+
+
+def test_a_target_given_as_drafter_is_named_as_such(models):
+    target, _ = models
+    done = eyas("generate", "--local", "--target", str(target), "--drafter", str(target), "--prompt", "x")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("this is a target model (a full causal LM: model.layers.* and lm_head.weight), not a drafter")
+    assert "missing key" not in done.stderr
+
+
+def test_no_service_is_a_failure_and_a_bad_value_is_bad_input():
+    address = f"127.0.0.1:{free_port()}"
+    down = eyas("status", "--server", address)
+    assert down.returncode == 1 and down.stderr.count("\n") == 1
+    assert f"no eyas service answers at {address}" in down.stderr
+    assert eyas("scale", "--server", address).returncode == 2  # neither --draft nor --target
+    assert eyas("generate", "--no-such-flag").returncode == 2
+
+
+
+def test_top_k_means_sampling_only_and_the_old_tree_names_are_refused(tmp_path):
+    done = eyas("generate", "--local", "--top-k", "4", "--prompt", "x")
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("the tree's expansion width is --tree-width, sampling top-k is --sample-top-k")
+    config = tmp_path / "old.yaml"
+    config.write_text("tree:\n  top_k: 4\n")
+    done = eyas("serve", "--config", str(config), "--port", "0")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().endswith("tree.top_k: the tree's expansion width is now called width (top_k is sampling top-k only)")
