@@ -4,10 +4,13 @@ import json
 import math
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyas.demo.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
-from eyas.demo.lm import train_lm
+import eyas.demo.lm as lm
+from eyas.demo.lm import CHECKPOINT_FILE, train_lm
 from eyas.demo.tokenizer import EOT, PAD, train_tokenizer
 
 TRICKY = "def f(x):\n\treturn 'héllo ✓ 日本'  \r\n\n    \x0c  # trailing   \n\n"
@@ -65,3 +68,43 @@ def test_train_lm_two_steps_saves_loadable_model(tiny, tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert model.config.hidden_size == 32 and model.config.vocab_size == len(tok) == 300
     assert model.generation_config.pad_token_id == tok.pad_token_id
+
+
+TINY_LLAMA = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
+TINY_MOE = {**TINY_LLAMA, "architecture": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def _train(tiny, out, work, config=TINY_LLAMA, **kw):
+    corpus, tok_dir = tiny
+    return train_lm(out, tok_dir, config, steps=6, corpus=corpus, seq_len=32, batch_size=2, eval_tokens=256,
+                    curve_every=2, curve_eval_tokens=64, checkpoint_every=2, work_dir=work, **kw)
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, TINY_MOE], ids=["llama", "mixtral"])
+def test_interrupted_training_resumes_to_the_same_model(tiny, tmp_path, monkeypatch, config):
+    straight = _train(tiny, tmp_path / "a", tmp_path / "wa", config)
+    calls, real = [], lm.next_token_loss
+
+    def interrupt_at_fifth_step(model, batch):
+        if model.training:
+            calls.append(1)
+            if len(calls) == 5:
+                raise KeyboardInterrupt
+        return real(model, batch)
+
+    monkeypatch.setattr(lm, "next_token_loss", interrupt_at_fifth_step)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny, tmp_path / "b", tmp_path / "wb", config)
+    assert torch.load(tmp_path / "wb" / CHECKPOINT_FILE, weights_only=False)["step"] == 4
+    monkeypatch.setattr(lm, "next_token_loss", real)
+    resumed = _train(tiny, tmp_path / "b", tmp_path / "wb", config)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["curve"] == straight["curve"] and [c["step"] for c in straight["curve"]] == [2, 4, 6]
+    assert resumed["heldout_loss"] == straight["heldout_loss"]
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path):
+    _train(tiny, tmp_path / "a", tmp_path / "w")
+    with pytest.raises(ValueError, match="its lr differs"):
+        _train(tiny, tmp_path / "a", tmp_path / "w", lr=1e-4)

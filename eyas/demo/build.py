@@ -1,49 +1,68 @@
-"""Build the bundled demo base models: corpus -> tokenizer -> target LM -> small plain draft LM.
+"""Build the bundled demo base models: corpus -> tokenizer -> target LM -> small plain draft LM (and the MoE target).
 
-Training runs a fixed number of steps (not a time budget), so a rebuild gives the same models on any
-machine; the reports record how long it took here.
+Training runs a fixed number of epochs of the corpus (so a fixed number of steps, not a time budget), so a rebuild
+gives the same models on any machine with the same Python; the reports record how long it took here. Every stage
+checkpoints under the work directory and a rerun resumes where the last one stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eyas.demo.corpus import collect
-from eyas.demo.lm import PRESETS, train_lm
-from eyas.demo.tokenizer import train_tokenizer
+from eyas.demo.corpus import Corpus, collect
+from eyas.demo.lm import PRESETS, encode_docs, train_lm
+from eyas.demo.tokenizer import load_tokenizer, train_tokenizer
 
-TARGET_STEPS = 2400
-DRAFT_LM_STEPS = 500
+EPOCHS = {"target": 3.0, "draft-lm": 1.0, "moe": 2.0}
 LR = 2e-3
+BATCH_SIZE, SEQ_LEN = 8, 256
 
 
-def build_base_models(out_root: str | Path = "models/demo", target_steps: int = TARGET_STEPS,
-                      draft_lm_steps: int = DRAFT_LM_STEPS, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Write out_root/target and out_root/draft-lm (model, shared tokenizer, train_report.json); return the reports."""
-    corpus = collect()
-    target, draft = Path(out_root) / "target", Path(out_root) / "draft-lm"
-    train_tokenizer([d.text for d in corpus.train], out_dir=target)
-    common = dict(corpus=corpus, lr=LR, bf16=True)
-    return {
-        "target": train_lm(target, target, PRESETS["target"], None, seed, steps=target_steps, **common),
-        "draft-lm": train_lm(draft, target, PRESETS["draft-lm"], None, seed, steps=draft_lm_steps, **common),
-    }
+def steps_for(corpus_tokens: int, epochs: float) -> int:
+    """Optimizer steps that cover `epochs` passes over a corpus of that many tokens."""
+    return math.ceil(epochs * corpus_tokens / (BATCH_SIZE * SEQ_LEN))
+
+
+def tokenizer_dir(corpus: Corpus, work_dir: Path) -> Path:
+    """The shared byte-level BPE tokenizer, trained once into work_dir/tokenizer."""
+    out = work_dir / "tokenizer"
+    if not (out / "tokenizer.json").exists():
+        train_tokenizer([d.text for d in corpus.train], out_dir=out)
+    return out
+
+
+def build_base_model(name: str, out_root: str | Path = "models/demo", work_dir: str | Path = "runs/demo",
+                     steps: int | None = None, seed: int = 0, corpus: Corpus | None = None) -> dict[str, Any]:
+    """Train (or resume) one base model of PRESETS[name] into out_root/name; return its report.
+
+    steps defaults to EPOCHS[name] passes over the training corpus.
+    """
+    corpus = corpus or collect()
+    work_dir = Path(work_dir)
+    tok = tokenizer_dir(corpus, work_dir)
+    if steps is None:
+        steps = steps_for(len(encode_docs(load_tokenizer(tok), corpus.train)), EPOCHS[name])
+    return train_lm(Path(out_root) / name, tok, PRESETS[name], seed, steps=steps, corpus=corpus, work_dir=work_dir / name,
+                    seq_len=SEQ_LEN, batch_size=BATCH_SIZE, lr=LR, bf16=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m eyas.demo.build", description=__doc__)
+    p.add_argument("names", nargs="*", default=["target", "draft-lm"], choices=sorted(PRESETS), help="models to build")
     p.add_argument("--out", default="models/demo", help="output root")
-    p.add_argument("--target-steps", type=int, default=TARGET_STEPS)
-    p.add_argument("--draft-lm-steps", type=int, default=DRAFT_LM_STEPS)
+    p.add_argument("--work-dir", default="runs/demo", help="checkpoints (a rerun resumes from them)")
+    p.add_argument("--steps", type=int, help="train this many steps instead of the preset's epochs")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    reports = build_base_models(args.out, args.target_steps, args.draft_lm_steps, args.seed)
-    for name, r in reports.items():
-        print(name, json.dumps({k: r[k] for k in ("params", "steps", "tokens_per_s", "final_train_loss", "heldout_ppl")}))
+    corpus = collect()
+    for name in args.names:
+        r = build_base_model(name, args.out, args.work_dir, args.steps, args.seed, corpus)
+        print(name, json.dumps({k: r[k] for k in ("params", "steps", "epochs", "tokens_per_s", "final_train_loss", "heldout_ppl")}))
 
 
 if __name__ == "__main__":

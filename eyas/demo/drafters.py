@@ -1,28 +1,44 @@
-"""Train the demo drafters (EAGLE-1, HASS, EAGLE-3) against the demo target and write the report."""
+"""`eyas demo build`: every demo model from its recipe, stage by stage, resumable; then the report.
+
+Stages: the dense target and the plain draft LM (eyas.demo.build), the EAGLE-1, HASS and EAGLE-3 drafters
+(configs/train/<kind>.yaml), and on request the Mixtral-style MoE target with its EAGLE-3 drafter. Each stage
+checkpoints under the work directory; a rerun skips finished stages and resumes an interrupted one.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..drafters.checkpoint import WEIGHTS_FILE
 from ..manifest import MANIFEST_FILE
 from ..train.recipe import Recipe
-from ..train.trainer import LOG_FILE, Trainer
-from .build import DRAFT_LM_STEPS, TARGET_STEPS, build_base_models
+from ..train.trainer import LOG_FILE, STATE_FILE, Trainer
+from .build import build_base_model
+from .corpus import collect
 from .report import measure, write_report
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "train"
+DRAFTERS = ("eagle1", "hass", "eagle3")
+# name -> (kind of stage, what it trains against)
+STAGES = {
+    "target": ("base", None), "draft-lm": ("base", None),
+    "eagle1": ("drafter", "target"), "hass": ("drafter", "target"), "eagle3": ("drafter", "target"),
+    "moe": ("base", None), "moe-eagle3": ("drafter", "moe"),
+}
+DEFAULT_STAGES = ("target", "draft-lm", *DRAFTERS)
+SAVE_EVERY = 100  # drafter checkpoint interval: an interrupted build loses at most this many steps
 
 
 def publish_drafter(checkpoint: Path, destination: Path) -> None:
     """Copy a trained drafter (config, bf16 weights, manifest) into the bundled models; the engine loads fp32."""
-    from safetensors.torch import load_file, save_file
-
     destination.mkdir(parents=True, exist_ok=True)
     shutil.copy(checkpoint / "config.json", destination / "config.json")
     shutil.copy(checkpoint / MANIFEST_FILE, destination / MANIFEST_FILE)
@@ -41,42 +57,48 @@ def training_summary(output: Path, minutes: float) -> str:
     return f"{steps} steps, {minutes:.1f} minutes; held-out top-1 agreement by rollout step {top1}"
 
 
-def build_demo(
-    out_root: str | Path = "models/demo",
-    work_dir: str | Path = "runs/demo",
-    base: bool = True,
-    target_steps: int | None = None,
-    draft_lm_steps: int | None = None,
-    drafter_steps: int | None = None,
-    kinds: tuple[str, ...] = ("eagle1", "hass", "eagle3"),
-    prompts: int = 50,
-    max_new_tokens: int = 64,
-) -> Path:
-    """Base models (unless reused), each drafter from configs/train/<kind>.yaml, then REPORT.md."""
+def latest_checkpoint(output: Path) -> Path | None:
+    """The newest checkpoint-N directory a trainer left in output, if any."""
+    found = [(int(m.group(1)), p) for p in output.glob("checkpoint-*")
+             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / STATE_FILE).exists()]
+    return max(found)[1] if found else None
+
+
+def train_drafter(name: str, against: str, out_root: Path, work_dir: Path, steps: int | None) -> str:
+    """Train (or resume, or skip if finished) one drafter recipe against out_root/against; publish it to out_root/name."""
+    kind = name.split("-")[-1]
+    recipe = Recipe.from_yaml(RECIPES / f"{kind}.yaml", target=str(out_root / against), output=str(work_dir / name),
+                              max_steps=steps, save_every=SAVE_EVERY)
+    output = Path(recipe.output)
+    final = output / "final"
+    started = time.perf_counter()
+    if not (final / STATE_FILE).exists():
+        Trainer(recipe, resume_from=latest_checkpoint(output)).fit()
+    publish_drafter(final, out_root / name)
+    if (output / "training.png").exists():
+        (out_root / "curves").mkdir(exist_ok=True)
+        shutil.copy(output / "training.png", out_root / "curves" / f"{name}.png")
+    return training_summary(output, (time.perf_counter() - started) / 60)
+
+
+def build_demo(out_root: str | Path = "models/demo", work_dir: str | Path = "runs/demo",
+               stages: tuple[str, ...] = DEFAULT_STAGES, drafter_steps: int | None = None, base_steps: int | None = None,
+               prompts: int = 50, max_new_tokens: int = 64) -> Path:
+    """Run the named stages in order (each resumable), then measure every bundled drafter and write REPORT.md."""
     out_root, work_dir = Path(out_root), Path(work_dir)
-    if base:
-        build_base_models(out_root, target_steps or TARGET_STEPS, draft_lm_steps or DRAFT_LM_STEPS)
-    training = {}
-    for kind in kinds:
-        recipe = Recipe.from_yaml(
-            RECIPES / f"{kind}.yaml",
-            target=str(out_root / "target"),
-            output=str(work_dir / kind),
-            max_steps=drafter_steps,
-        )
-        features = recipe.features
-        if features != "online":
-            recipe.features = str(work_dir / Path(features).name)
-        if Path(recipe.output).exists():
-            shutil.rmtree(recipe.output)
-        started = time.perf_counter()
-        final = Trainer(recipe).fit()
-        minutes = (time.perf_counter() - started) / 60
-        publish_drafter(final, out_root / kind)
-        training[kind] = training_summary(Path(recipe.output), minutes)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown demo stage {unknown[0]!r} (known: {', '.join(STAGES)})")
     previous = out_root / "report.json"
-    if previous.exists():
-        training = {**json.loads(previous.read_text())["training"], **training}
-    present = tuple(k for k in ("eagle1", "hass", "eagle3") if (out_root / k / "config.json").exists())
-    results = measure(out_root, present, prompts, max_new_tokens)
+    training = json.loads(previous.read_text())["training"] if previous.exists() else {}
+    corpus = collect()
+    for i, name in enumerate(stages, 1):
+        print(f"[demo build {i}/{len(stages)}] {name}", file=sys.stderr, flush=True)
+        what, against = STAGES[name]
+        if what == "base":
+            build_base_model(name, out_root, work_dir, base_steps, corpus=corpus)
+        else:
+            training[name] = train_drafter(name, against, out_root, work_dir, drafter_steps)
+    print(f"[demo build] measuring acceptance on {prompts} held-out prompts", file=sys.stderr, flush=True)
+    results = measure(out_root, prompts, max_new_tokens)
     return write_report(out_root, results, prompts, max_new_tokens, training)

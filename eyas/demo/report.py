@@ -1,28 +1,37 @@
-"""Acceptance of the demo drafters on held-out prompts, written to models/demo/REPORT.md."""
+"""Acceptance of the demo drafters on held-out prompts, written to models/demo/REPORT.md with the training curves."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 from pathlib import Path
 
 from ..engine import Engine
+from ..train.plots import plot_lm_curves
 from .corpus import heldout_prompts
 
 TREES = {
     "tree (width 8, depth 5, budget 32)": {"width": 8, "depth": 5, "budget": 32},
     "tree (width 4, depth 4, budget 16)": {"width": 4, "depth": 4, "budget": 16},
-    "chain (width 1, depth 5)": {"width": 1, "depth": 5, "budget": 5},
+    "chain (depth 5)": {"width": 1, "depth": 5, "budget": 5},
+    "chain (depth 8)": {"width": 1, "depth": 8, "budget": 8},
 }
-REGENERATE = "eyas demo build --skip-base   # or: python -m eyas.demo.report --root models/demo"
+SAMPLED_TREES = ("tree (width 8, depth 5, budget 32)", "chain (depth 5)")
+TEMPERATURES = (0.7, 1.0)
+# drafter directory -> the target directory it drafts for
+DRAFTER_TARGETS = {"eagle1": "target", "hass": "target", "eagle3": "target", "moe-eagle3": "moe"}
+BASE_MODELS = ("target", "draft-lm", "moe")
+REGENERATE = "eyas demo build            # every stage (resumes); --only moe for the MoE target and its drafter"
 
 
-def acceptance(engine: Engine, prompts: list[str], tree: dict, max_new_tokens: int) -> dict:
-    """Greedy generation over `prompts`: tokens committed per verification forward, pooled over all rounds."""
+def acceptance(engine: Engine, prompts: list[str], tree: dict, max_new_tokens: int, temperature: float = 0.0) -> dict:
+    """Tokens committed per verification forward over `prompts`, pooled over all rounds (seed i for prompt i)."""
     tokens = rounds = 0
     histogram: list[int] = []
-    for prompt in prompts:
-        stats = engine.generate(prompt, max_new_tokens=max_new_tokens, tree=tree, stop_at_eos=False).stats
+    for i, prompt in enumerate(prompts):
+        stats = engine.generate(prompt, max_new_tokens=max_new_tokens, tree=tree, stop_at_eos=False,
+                                temperature=temperature, seed=i).stats
         tokens += stats.tokens
         rounds += stats.rounds
         for k, count in enumerate(stats.accepted_length_histogram):
@@ -31,67 +40,88 @@ def acceptance(engine: Engine, prompts: list[str], tree: dict, max_new_tokens: i
     return {"mean_accept_length": tokens / rounds, "tokens": tokens, "rounds": rounds, "histogram": histogram}
 
 
-def measure(root: str | Path, kinds: tuple[str, ...], n_prompts: int = 50, max_new_tokens: int = 64) -> dict:
-    """Mean acceptance length of each drafter under each tree setting, on the same held-out prompts."""
+def measure(root: str | Path, n_prompts: int = 50, max_new_tokens: int = 64) -> dict:
+    """For every bundled drafter: greedy acceptance under each tree, sampled acceptance at TEMPERATURES."""
     root = Path(root)
     results: dict = {}
-    for kind in kinds:
-        engine = Engine.from_pretrained(root / "target", root / kind)
+    for kind, target in DRAFTER_TARGETS.items():
+        if not (root / kind / "config.json").exists():
+            continue
+        engine = Engine.from_pretrained(root / target, root / kind)
         prompts = [p.text for p in heldout_prompts(engine.target.tokenizer, n_prompts)]
-        results[kind] = {name: acceptance(engine, prompts, tree, max_new_tokens) for name, tree in TREES.items()}
+        results[kind] = {"greedy": {name: acceptance(engine, prompts, tree, max_new_tokens) for name, tree in TREES.items()}}
+        for t in TEMPERATURES:
+            results[kind][f"T={t}"] = {name: acceptance(engine, prompts, TREES[name], max_new_tokens, t)
+                                       for name in SAMPLED_TREES}
     return results
 
 
+def _table(results: dict, mode: str, trees: list[str]) -> list[str]:
+    lines = ["| drafter | " + " | ".join(trees) + " |", "| --- | " + " | ".join("---" for _ in trees) + " |"]
+    for kind, by_mode in results.items():
+        lines.append(f"| {kind} | " + " | ".join(f"{by_mode[mode][name]['mean_accept_length']:.2f}" for name in trees) + " |")
+    return lines
+
+
+def _base_line(name: str, report: dict) -> str:
+    return (f"- `{name}/`: {report.get('architecture', 'LlamaForCausalLM')}, {report['params'] / 1e6:.1f}M parameters, "
+            f"{report['steps']} steps ({report['epochs']:.2f} epochs of {report['train_tokens'] / 1e6:.2f}M tokens) in "
+            f"{report['minutes']:.0f} minutes; held-out perplexity **{report['heldout_ppl']:.2f}** "
+            f"(loss {report['heldout_loss']:.3f} nats/token, bfloat16 weights).")
+
+
 def write_report(root: str | Path, results: dict, n_prompts: int, max_new_tokens: int, training: dict) -> Path:
-    """REPORT.md: target perplexity, acceptance table, and how every number is regenerated."""
+    """REPORT.md: base-model perplexity and curves, acceptance tables, drafter training, how to regenerate."""
     root = Path(root)
-    target = json.loads((root / "target" / "train_report.json").read_text())
-    draft_lm = json.loads((root / "draft-lm" / "train_report.json").read_text())
+    bases = {n: json.loads((root / n / "train_report.json").read_text())
+             for n in BASE_MODELS if (root / n / "train_report.json").exists()}
+    (root / "curves").mkdir(exist_ok=True)
+    plot_lm_curves(bases, root / "curves" / "base-models.png")
+    heldout = len(next(iter(bases.values()))["heldout_modules"]) if bases else 0
     lines = [
         "# Bundled demo models",
         "",
-        f"Measured on {platform.machine()} with {platform.python_version()}, CPU only.",
+        f"Measured on {platform.machine()} with Python {platform.python_version()}, CPU only. Every model is trained "
+        "from scratch on the Python standard library's source; perplexity and acceptance are measured on "
+        f"{heldout} held-out modules that no model trains on.",
         "",
-        "## Target",
+        "## Base models",
         "",
-        f"- Llama-family target, {target['params'] / 1e6:.1f}M parameters, trained {target['minutes']:.0f} minutes "
-        f"on {target['tokens_seen'] / 1e6:.2f}M tokens of the Python standard library's source.",
-        f"- Held-out perplexity: **{target['heldout_ppl']:.2f}** (loss {target['heldout_loss']:.3f} nats/token) on "
-        f"{len(target['heldout_modules'])} held-out modules, after rounding the weights to bfloat16.",
-        f"- Plain draft LM (`draft-lm/`): {draft_lm['params'] / 1e6:.1f}M parameters, held-out perplexity "
-        f"{draft_lm['heldout_ppl']:.2f}.",
+        *[_base_line(n, r) for n, r in bases.items()],
+        "",
+        "![base-model loss curves](curves/base-models.png)",
         "",
         "## Drafters: mean acceptance length",
         "",
-        f"Greedy decoding of {max_new_tokens} new tokens from each of {n_prompts} held-out prompts (function headers "
-        "with docstrings from the held-out modules). Mean acceptance length = tokens committed per target "
-        "verification forward (accepted draft tokens + 1), pooled over all rounds.",
+        f"Decoding {max_new_tokens} new tokens from each of {n_prompts} held-out prompts (function headers with "
+        "docstrings from the held-out modules). Mean acceptance length = tokens committed per target verification "
+        "forward (accepted draft tokens + 1), pooled over all rounds. `moe-eagle3` drafts for the MoE target.",
         "",
-        "| drafter | " + " | ".join(TREES) + " |",
-        "| --- | " + " | ".join("---" for _ in TREES) + " |",
+        "Greedy:",
+        "",
+        *_table(results, "greedy", list(TREES)),
     ]
-    for kind, by_tree in results.items():
-        lines.append(f"| {kind} | " + " | ".join(f"{by_tree[name]['mean_accept_length']:.2f}" for name in TREES) + " |")
+    for t in TEMPERATURES:
+        lines += ["", f"Sampled at temperature {t} (seed i for prompt i):", "", *_table(results, f"T={t}", list(SAMPLED_TREES))]
     lines += ["", "## Drafter training", ""]
     for kind, summary in training.items():
         lines.append(f"- {kind}: {summary}")
+        if (root / "curves" / f"{kind}.png").exists():
+            lines += ["", f"  ![{kind} training](curves/{kind}.png)", ""]
     lines += ["", "## Regenerate", "", "```bash", REGENERATE, "```", ""]
     path = root / "REPORT.md"
     path.write_text("\n".join(lines))
-    (root / "report.json").write_text(json.dumps({"results": results, "training": training}, indent=2))
+    (root / "report.json").write_text(json.dumps({"results": results, "training": training}, indent=2) + "\n")
     return path
 
 
 def main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m eyas.demo.report", description=__doc__)
     parser.add_argument("--root", default="models/demo")
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
-    kinds = tuple(k for k in ("eagle1", "hass", "eagle3") if (Path(args.root) / k).exists())
-    results = measure(args.root, kinds, args.prompts, args.max_new_tokens)
+    results = measure(args.root, args.prompts, args.max_new_tokens)
     previous = Path(args.root) / "report.json"
     training = json.loads(previous.read_text())["training"] if previous.exists() else {}
     print(write_report(args.root, results, args.prompts, args.max_new_tokens, training).read_text())

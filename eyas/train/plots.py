@@ -35,3 +35,23 @@ def plot_log(log_path: str | Path, out_path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
+
+
+def plot_lm_curves(reports: dict[str, dict], out_path: str | Path) -> None:
+    """Write a PNG with the training and held-out loss by step of base LMs (the `curve` of their train reports)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, report in reports.items():
+        curve = report.get("curve", [])
+        steps = [c["step"] for c in curve]
+        line, = ax.plot(steps, [c["train_loss"] for c in curve], label=f"{name}: train")
+        ax.plot(steps, [c["heldout_loss"] for c in curve], "--", color=line.get_color(), label=f"{name}: held-out")
+    ax.set(title="base models: next-token loss (nats)", xlabel="step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)

@@ -286,10 +286,19 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def _truncate_log(self) -> None:
+        """Drop log records past the step this run starts from, so that a resumed run logs each step once."""
+        path = self.output / LOG_FILE
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= self.step]
+            path.write_text("".join(line + "\n" for line in kept))
+
     def fit(self, progress: bool = True) -> Path:
         """Train to max_steps with logging, periodic evaluation and checkpoints; returns the final checkpoint."""
         lead = self.comm.rank == 0
         self.output.mkdir(parents=True, exist_ok=True)
+        if lead:
+            self._truncate_log()
         log = (self.output / LOG_FILE).open("a") if lead else None
         bar = tqdm(total=self.recipe.max_steps, initial=self.step, disable=not (progress and lead), unit="step")
         tokens_per_step = self.recipe.batch_size * self.recipe.seq_len
