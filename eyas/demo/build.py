@@ -18,7 +18,7 @@ from eyas.demo.corpus import Corpus, collect
 from eyas.demo.lm import PRESETS, encode_docs, train_lm
 from eyas.demo.tokenizer import load_tokenizer, train_tokenizer
 
-EPOCHS = {"target": 3.0, "draft-lm": 1.0, "moe": 2.0}
+EPOCHS = {"target": 3.0, "draft-lm": 1.0, "moe": 1.0}
 LR = 2e-3
 BATCH_SIZE, SEQ_LEN = 8, 256
 

