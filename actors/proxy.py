@@ -22,9 +22,10 @@ from google.protobuf.message import Message
 
 from eyas import wire
 from eyas.rounds import Proposal, Verification
+from eyas.rows import check_fit
 from eyas.rpc import call_metadata, field_of
 from eyas.sampling import SamplingParams
-from eyas.tree import FlattenedTree, TreePolicy, check_fit
+from eyas.tree import FlattenedTree, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
@@ -270,7 +271,8 @@ class RemoteDraft(RemoteSession):
             self.check_ref(reply.ref, version)
             proposal = wire.proposal_from_proto(reply)
             # What only the coordinator knows; the target worker validates the tree's structure once, on receipt.
-            check_fit(proposal.tree, budget=policy.budget, root_token=root_token)
+            check_fit(proposal.tree.num_rows, int(proposal.tree.tokens[0]) if proposal.tree.num_rows else None,
+                      budget=policy.budget, root_token=root_token)
             return proposal
 
         proposal = self.client.call("Draft", build, pb.Proposal, parse, self.timing)

@@ -26,7 +26,7 @@ from eyas.trace.invariants import Violation, check_trace
 from eyas.trace.messages import decode_round
 from eyas.trace.store import Trace, TracedRequest
 from eyas.tree import TreePolicy, validate_tree
-from eyas.wire import WireError
+from eyas.wire import WireError, tree_from_proto
 
 TOLERANCE = 1e-6  # largest probability difference still called identical; bit-for-bit is reported separately
 
@@ -127,7 +127,8 @@ def replay_request(
         if rnd.version != state.version:
             return diverged(Difference("version", None, f"version {state.version}", f"version {rnd.version} recorded"))
         try:
-            tree, recorded, _, _ = decode_round(rnd)
+            _, recorded, tree_msg, _ = decode_round(rnd)
+            tree = tree_from_proto(tree_msg)
         except WireError as exc:
             return diverged(Difference("messages", None, "decodable messages", str(exc)))
         if drafter is not None:
@@ -135,7 +136,7 @@ def replay_request(
                 proposal = draft.propose(state.version, state.root_token, TreePolicy.from_dict(rnd.policy))
             except ValueError as exc:
                 return diverged(Difference("redraft", None, "a proposal under the recorded policy", str(exc)))
-            difference, gap = tree_difference(tree, proposal.tree, tolerance, label)
+            difference, gap = tree_difference(tree.rows(), proposal.tree.rows(), tolerance, label)
             report.largest_gap = max(report.largest_gap, gap)
             if difference is not None:
                 return diverged(difference)
@@ -144,7 +145,7 @@ def replay_request(
             verification = session.verify(tree, state.version, state.sampling)
         except ValueError as exc:
             return diverged(Difference("tree", None, "a tree that fits the committed prefix", str(exc)))
-        difference, gap = decision_difference(tree, recorded, verification.decision, tolerance, label)
+        difference, gap = decision_difference(tree.rows(), recorded, verification.decision, tolerance, label)
         report.largest_gap = max(report.largest_gap, gap)
         if difference is not None:
             return diverged(difference)

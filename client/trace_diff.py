@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eyas.errors import WireError
 from eyas.trace.compare import Difference, Label, decision_difference, tree_difference
 from eyas.trace.messages import decode_round
 from eyas.trace.store import Trace, TracedRequest
-from eyas.wire import WireError
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ import html
 import json
 from pathlib import Path
 
+from eyas.errors import WireError
+from eyas.rows import TreeError, check_decision, check_tree
 from eyas.trace.compare import Label
 from eyas.trace.invariants import UNBOUNDED_VOCAB
 from eyas.trace.messages import decode_round
 from eyas.trace.store import TracedRequest
 from eyas.trace.summary import Summary
-from eyas.tree import TreeError, validate_tree
-from eyas.wire import WireError, validate_decision
 
 MAX_ROUNDS = 500
 
@@ -135,15 +135,15 @@ def page_data(requests: list[TracedRequest], summary: Summary, label: Label, max
                 break
             try:
                 tree, decision, _, _ = decode_round(rnd)
-                validate_tree(tree, vocab_size=UNBOUNDED_VOCAB)
-                validate_decision(decision, tree, UNBOUNDED_VOCAB)
+                check_tree(tree, vocab_size=UNBOUNDED_VOCAB)
+                check_decision(decision, tree, UNBOUNDED_VOCAB)
             except (TreeError, WireError):
                 continue
             target = list(decision.token_probs) or [None] * tree.num_rows
             rows = [
                 {"token": label(t), "parent": p, "depth": d, "draft_p": q, "target_p": target[i]}
                 for i, (t, p, d, q) in enumerate(
-                    zip(tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), tree.draft_probs.tolist())
+                    zip(tree.tokens, tree.parents, tree.depths, tree.draft_probs)
                 )
             ]
             rounds.append(

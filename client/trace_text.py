@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from eyas.assets import demo_model
-from eyas.manifest import tokenizer_digest
+from eyas.digests import tokenizer_digest
+from eyas.rows import check_decision, check_tree
 from eyas.trace.compare import Label
 from eyas.trace.format import Round
 from eyas.trace.invariants import UNBOUNDED_VOCAB
 from eyas.trace.messages import decode_round
 from eyas.trace.store import TracedRequest
 from eyas.trace.summary import Summary
-from eyas.tree import validate_tree
-from eyas.wire import validate_decision
 
 BAR = 40
 
@@ -25,12 +26,22 @@ def token_labeler(tokenizer=None) -> Label:
     return lambda token: repr(tokenizer.decode([token]))
 
 
+def load_tokenizer(directory: str | Path):
+    """A tokenizer that decodes token labels: from tokenizer.json with the light `tokenizers` library (no torch),
+    else through transformers; None when the directory has no tokenizer."""
+    if Path(directory, "tokenizer.json").exists():
+        return Tokenizer.from_file(str(Path(directory, "tokenizer.json")))
+    if Path(directory, "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer  # heavy: only for tokenizers that ship without tokenizer.json
+
+        return AutoTokenizer.from_pretrained(directory)
+    return None
+
+
 def trace_tokenizer(requests: list[TracedRequest], target: str | Path | None):
     """The tokenizer of `target`, else of the bundled demo target when the trace's manifest names its tokenizer."""
-    from transformers import AutoTokenizer  # heavy: loaded only when a tokenizer is needed
-
     if target is not None:
-        return AutoTokenizer.from_pretrained(target) if Path(target, "tokenizer_config.json").exists() else None
+        return load_tokenizer(target)
     try:
         demo = demo_model("target")
     except FileNotFoundError:
@@ -41,7 +52,7 @@ def trace_tokenizer(requests: list[TracedRequest], target: str | Path | None):
         if r.start is not None and isinstance(r.start.manifest, dict) and isinstance(r.start.manifest.get("target"), dict)
     }
     if digests and digests <= {tokenizer_digest(demo)}:
-        return AutoTokenizer.from_pretrained(demo)
+        return load_tokenizer(demo)
     return None
 
 
@@ -86,10 +97,10 @@ def format_round(request: TracedRequest, rnd: Round, label: Label = str) -> str:
     """One round's tree, one node per line in draft order: row, token, draft confidence, target probability;
     the accepted path is marked with *."""
     tree, decision, _, _ = decode_round(rnd)
-    validate_tree(tree, vocab_size=UNBOUNDED_VOCAB)
-    validate_decision(decision, tree, UNBOUNDED_VOCAB)
+    check_tree(tree, vocab_size=UNBOUNDED_VOCAB)
+    check_decision(decision, tree, UNBOUNDED_VOCAB)
     accepted = set(decision.accepted_rows)
-    tokens, probs = tree.tokens.tolist(), tree.draft_probs.tolist()
+    tokens, probs = tree.tokens, tree.draft_probs
     target = list(decision.token_probs) or [float("nan")] * tree.num_rows
     lines = [
         f"request {request.key}, round {rnd.round} (version {rnd.version}): {tree.num_rows} rows on a prefix of "

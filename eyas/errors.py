@@ -20,3 +20,11 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class WireError(ValueError):
+    """A message field cannot be decoded (dtype, shape, byte count, missing part); `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field

@@ -15,20 +15,11 @@ from pathlib import Path
 
 import torch
 
+from .digests import tokenizer_digest
 from .tree import TREE_ABI_VERSION
 
 MANIFEST_FILE = "eyas_manifest.json"
 DRAFTER_ABI = {"eagle1": "eagle1/1", "eagle3": "eagle3/1"}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
 # Config keys that describe how a checkpoint was saved or run, not what the model computes.
 VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "output_router_logits"}
 
@@ -165,18 +156,6 @@ def weight_digest(directory: str | Path) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
-
-
-def tokenizer_digest(directory: str | Path) -> str:
-    """Digest of the tokenizer files present, or "none" for a target without a tokenizer."""
-    digest = hashlib.sha256()
-    found = False
-    for name in TOKENIZER_FILES:
-        path = Path(directory, name)
-        if path.exists():
-            found = True
-            digest.update(name.encode() + b"|" + path.read_bytes())
-    return digest.hexdigest() if found else "none"
 
 
 def fingerprint_target(directory: str | Path, config_dict: dict) -> TargetFingerprint:

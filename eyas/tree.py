@@ -3,27 +3,20 @@
 `DraftTree` records expansion results with the receipt rules of docs/tree.md#growing;
 `DraftTree.select` reranks to an ancestor-closed verify budget; `flatten` turns a
 selection into the rows the target verifies; `validate_tree` is the receipt check
-every consumer of a `FlattenedTree` runs.
+every consumer of a `FlattenedTree` runs (written over lists in `eyas.rows`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from .rows import TreeError, TreeRows, ancestry, check_tree, children, leaf_paths, path_to
+
 TREE_ABI_VERSION = 1
 LOG_FLOOR = 1e-12  # ranking floor for log(confidence); the stored probability is never changed
 MASS_SLACK = 1e-12  # sibling probabilities may sum to one plus rounding, not more
-
-
-class TreeError(ValueError):
-    """A tree knob, expansion record or flattened tree breaks a contract; `field` names the culprit."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -167,51 +160,29 @@ class FlattenedTree:
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    def rows(self) -> TreeRows:
+        """The same tree as plain lists, for the receipt checks and tools that need no tensors."""
+        return TreeRows(self.tokens.tolist(), self.parents.tolist(), self.depths.tolist(), self.positions.tolist(),
+                        self.mask.tolist(), self.retrieve.tolist(), self.draft_probs.tolist(), self.prefix_len)
+
     def children(self, row: int) -> list[int]:
         """Child rows of `row`, most confident first (ties: lower row first): the order verification tries them."""
-        rows = (self.parents == row).nonzero().flatten().tolist()
-        probs = self.draft_probs.tolist()
-        return sorted(rows, key=lambda r: (-probs[r], r))
+        return children(self.parents.tolist(), self.draft_probs.tolist(), row)
 
     def path_to(self, row: int) -> list[int]:
         """Rows from the root to `row` inclusive."""
-        path = [row]
-        parents = self.parents.tolist()
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        return path[::-1]
+        return path_to(self.parents.tolist(), row)
 
 
 def ancestry_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children)."""
-    n = len(parents)
-    up = torch.tensor(parents, dtype=torch.long)
-    mask = torch.eye(n, dtype=torch.bool)
-    rows = torch.arange(n)
-    current = up.clone()
-    while (current >= 0).any():  # pointer jumping: one tree level per pass
-        live = current >= 0
-        mask[rows[live], current[live]] = True
-        current = torch.where(live, up[current.clamp(min=0)], -1)
-    return mask
+    return torch.tensor(ancestry(parents), dtype=torch.bool).reshape(len(parents), len(parents))
 
 
 def retrieve_paths(parents: list[int]) -> torch.Tensor:
     """[L, max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1."""
-    up = torch.tensor(parents, dtype=torch.long)
-    n = len(parents)
-    is_parent = torch.zeros(n, dtype=torch.bool)
-    is_parent[up[up >= 0]] = True
-    leaves = (~is_parent).nonzero().flatten()
-    depth = ancestry_mask(parents).sum(dim=1) - 1  # [N]
-    paths = torch.full((len(leaves), int(depth.max()) + 1), -1, dtype=torch.long)
-    current = leaves.clone()
-    line = torch.arange(len(leaves))
-    while (current >= 0).any():
-        live = current >= 0
-        paths[line[live], depth[current[live]]] = current[live]
-        current = torch.where(live, up[current.clamp(min=0)], -1)
-    return paths
+    paths = leaf_paths(parents)
+    return torch.tensor(paths, dtype=torch.long).reshape(len(paths), len(paths[0]) if paths else 0)
 
 
 def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedTree:
@@ -236,18 +207,6 @@ def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedT
     )
 
 
-def check_fit(tree: FlattenedTree, *, budget: int | None = None, root_token: int | None = None) -> None:
-    """The cheap checks of a tree against what its requester asked: the root row exists, carries `root_token`,
-    and at most `budget` candidate rows follow it; raises `TreeError` naming the field."""
-    n = tree.num_rows
-    if n < 1:
-        raise TreeError("tokens", "a tree has at least the root row")
-    if budget is not None and n - 1 > budget:
-        raise TreeError("tokens", f"{n - 1} candidate rows exceed the verify budget {budget}")
-    if root_token is not None and int(tree.tokens[0]) != root_token:
-        raise TreeError("tokens", f"root row token {int(tree.tokens[0])} is not the append-required token {root_token}")
-
-
 def validate_tree(
     tree: FlattenedTree,
     *,
@@ -256,47 +215,8 @@ def validate_tree(
     budget: int | None = None,
     root_token: int | None = None,
 ) -> None:
-    """Receipt check of a flattened tree (its structure, and `check_fit`); raises `TreeError` naming the first broken field.
+    """Receipt check of a flattened tree (`eyas.rows.check_tree`); raises `TreeError` naming the first broken field.
 
     Run once where a tree crosses a trust boundary before it is verified (a target worker, a trace replay).
     """
-    check_fit(tree, budget=budget, root_token=root_token)
-    n = tree.num_rows
-    for name in ("parents", "depths", "positions", "draft_probs"):
-        if tuple(getattr(tree, name).shape) != (n,):
-            raise TreeError(name, f"shape {tuple(getattr(tree, name).shape)} does not match {n} rows")
-    if tuple(tree.mask.shape) != (n, n):
-        raise TreeError("mask", f"shape {tuple(tree.mask.shape)} is not [{n}, {n}]")
-    tokens = tree.tokens.tolist()
-    if any(not 0 <= t < vocab_size for t in tokens):
-        bad = next(t for t in tokens if not 0 <= t < vocab_size)
-        raise TreeError("tokens", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    parents = tree.parents.tolist()
-    if parents[0] != -1:
-        raise TreeError("parents", "row 0 is the root and has parent -1")
-    for i in range(1, n):
-        if not 0 <= parents[i] < i:
-            raise TreeError("parents", f"row {i} has parent {parents[i]}: parents must precede children")
-    siblings = set()
-    for i in range(1, n):
-        if (parents[i], tokens[i]) in siblings:
-            raise TreeError("tokens", f"row {i} repeats token {tokens[i]} under parent row {parents[i]}")
-        siblings.add((parents[i], tokens[i]))
-    depths = tree.depths.tolist()
-    expected_depths = [0]
-    for i in range(1, n):
-        expected_depths.append(expected_depths[parents[i]] + 1)
-    if depths != expected_depths:
-        raise TreeError("depths", "depths do not equal the parent depth plus one")
-    prefix = tree.prefix_len if prefix_len is None else prefix_len
-    if tree.prefix_len != prefix:
-        raise TreeError("prefix_len", f"tree built on prefix {tree.prefix_len}, committed prefix is {prefix}")
-    if tree.positions.tolist() != [prefix + d for d in depths]:
-        raise TreeError("positions", f"positions must equal prefix length {prefix} plus depth")
-    if not torch.equal(tree.mask.to(torch.bool), ancestry_mask(parents)):
-        raise TreeError("mask", "mask is not the ancestry closure of parents")
-    probs = tree.draft_probs.tolist()
-    if any(not math.isfinite(p) or not 0.0 <= p <= 1.0 for p in probs):
-        raise TreeError("draft_probs", "draft probabilities must be finite and in [0, 1]")
-    if not torch.equal(tree.retrieve, retrieve_paths(parents)):
-        raise TreeError("retrieve", "retrieve map is not the list of root-to-leaf paths")
+    check_tree(tree.rows(), vocab_size=vocab_size, prefix_len=prefix_len, budget=budget, root_token=root_token)

@@ -9,34 +9,13 @@ child is accepted exactly when it is that token, so a seed fixes the text whatev
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, keyed_token, target_log_probs
+from .keyed import keyed_token, target_log_probs
+from .rows import AcceptanceDecision
+from .sampling import SamplingParams
 from .tree import FlattenedTree
-
-
-@dataclass(frozen=True)
-class AcceptanceDecision:
-    """Accepted flat rows (root first, one root-to-node path), their tokens after the root, and the frontier token.
-
-    `frontier_prob` is the target probability of the frontier token at the last accepted row.
-    `token_probs[i]` is the target probability of row i's token under its parent row's distribution (1 for the
-    root), so a recorded round shows how much the target liked every node it was offered. A sampled decision
-    used the noise of positions `tree.positions[accepted_rows] + 1` of the request's seed, nothing else.
-    """
-
-    accepted_rows: tuple[int, ...]
-    accepted_tokens: tuple[int, ...]
-    frontier_token: int
-    frontier_prob: float
-    token_probs: tuple[float, ...] = ()
-
-    @property
-    def num_accepted(self) -> int:
-        """Draft tokens accepted this round (the root is not a draft)."""
-        return len(self.accepted_tokens)
 
 
 def accepted_path(tree: FlattenedTree, pick: Callable[[int], int]) -> tuple[list[int], int]:

@@ -2,24 +2,23 @@
 
 Tensors travel as raw little-endian bytes with dtype and shape. Decoding checks every field it
 reads and raises `WireError` naming it; tree semantics are checked by `eyas.tree.validate_tree`
-and decisions by `validate_decision`. Imports protobuf only (no gRPC, no Ray), so the engine
+and decisions by `validate_decision` (both written over lists in `eyas.rows`, which also decodes
+trees and decisions without torch for the trace tools). Imports protobuf only (no gRPC, no Ray), so the engine
 package stays usable without the service.
 """
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
+from .errors import WireError
 from .request import make_sampling
 from .rounds import Proposal, Verification
+from .rows import AcceptanceDecision, array_from_proto, check_decision, decision_from_proto
 from .sampling import SamplingParams
 from .tree import FlattenedTree, TreePolicy
 from .v1 import round_pb2 as pb
 from .v1 import tensor_pb2 as tpb
-from .verify import AcceptanceDecision
 
 # dtype name -> (torch dtype, same-width integer view, its little-endian numpy type)
 DTYPES = {
@@ -35,14 +34,6 @@ DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _, _) in DTYPES.items()
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-class WireError(ValueError):
-    """A message field cannot be decoded (dtype, shape, byte count, missing part); `field` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
 def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
     """Raw little-endian bytes of a CPU tensor, with its dtype name and shape."""
     name = DTYPE_NAMES.get(tensor.dtype)
@@ -55,20 +46,9 @@ def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
 
 def tensor_from_proto(msg: tpb.Tensor, field: str, dtypes: tuple[str, ...], ndim: int) -> torch.Tensor:
     """Decode a tensor field, refusing a dtype outside `dtypes`, a rank other than `ndim`, or a wrong byte count."""
-    if msg.dtype not in dtypes:
-        raise WireError(f"{field}.dtype", f"{msg.dtype!r} is not one of {list(dtypes)}")
-    shape = tuple(msg.shape)
-    if len(shape) != ndim or any(d < 0 for d in shape):
-        raise WireError(f"{field}.shape", f"{list(shape)} is not a valid rank-{ndim} shape")
-    torch_dtype, view, little = DTYPES[msg.dtype]
-    itemsize = np.dtype(little).itemsize
-    expected = math.prod(shape) * itemsize
-    if len(msg.data) != expected:
-        raise WireError(f"{field}.data", f"{len(msg.data)} bytes for shape {list(shape)} of {msg.dtype} ({expected} expected)")
-    array = np.frombuffer(msg.data, dtype=little).astype(np.dtype(little).newbyteorder("="))
-    if torch_dtype == torch.bool and array.size and array.max() > 1:
-        raise WireError(f"{field}.data", "bool tensors hold only the bytes 0 and 1")
-    return torch.from_numpy(array).view(view).view(torch_dtype).reshape(shape)
+    array = array_from_proto(msg, field, dtypes, ndim)
+    torch_dtype, view, _ = DTYPES[msg.dtype]
+    return torch.from_numpy(array).view(view).view(torch_dtype) if msg.dtype in ("float16", "bfloat16") else torch.from_numpy(array)
 
 
 def ref(request_id: str, version: int, manifest_id: str) -> tpb.RequestRef:
@@ -173,17 +153,6 @@ def decision_to_proto(d: AcceptanceDecision, features: torch.Tensor, request: tp
     )
 
 
-def decision_from_proto(d: pb.AcceptanceDecision) -> AcceptanceDecision:
-    """The decision's fields (its accepted features are decoded separately, against the feature width)."""
-    return AcceptanceDecision(
-        accepted_rows=tuple(d.accepted_rows),
-        accepted_tokens=tuple(d.accepted_tokens),
-        frontier_token=d.frontier_token,
-        frontier_prob=d.frontier_prob,
-        token_probs=tuple(d.token_probs),
-    )
-
-
 def verification_to_proto(verification: Verification, request: tpb.RequestRef) -> pb.Verification:
     return pb.Verification(
         ref=request,
@@ -202,21 +171,5 @@ def verification_from_proto(msg: pb.Verification, feature_width: int) -> Verific
 
 
 def validate_decision(decision: AcceptanceDecision, tree: FlattenedTree, vocab_size: int) -> None:
-    """Receipt check of a decision against the tree it decides: one root-to-node path, its tokens, the frontier."""
-    rows = list(decision.accepted_rows)
-    if not rows or rows[0] != 0 or any(not 0 <= r < tree.num_rows for r in rows):
-        raise WireError("decision.accepted_rows", f"{rows} is not a path of the tree's {tree.num_rows} rows")
-    parents = tree.parents.tolist()
-    if any(parents[child] != parent for parent, child in zip(rows, rows[1:])):
-        raise WireError("decision.accepted_rows", f"{rows} is not a root-to-node path")
-    tokens = tree.tokens.tolist()
-    if list(decision.accepted_tokens) != [tokens[r] for r in rows[1:]]:
-        raise WireError("decision.accepted_tokens", "tokens do not match the tree rows of the accepted path")
-    if not 0 <= decision.frontier_token < vocab_size:
-        raise WireError("decision.frontier_token", f"{decision.frontier_token} is outside the vocabulary [0, {vocab_size})")
-    if not 0.0 <= decision.frontier_prob <= 1.0:
-        raise WireError("decision.frontier_prob", f"{decision.frontier_prob} is not a probability")
-    if decision.token_probs and len(decision.token_probs) != tree.num_rows:
-        raise WireError("decision.token_probs", f"{len(decision.token_probs)} values for {tree.num_rows} rows")
-    if any(not 0.0 <= p <= 1.0 for p in decision.token_probs):
-        raise WireError("decision.token_probs", "values must be probabilities")
+    """Receipt check of a decision against the tree it decides (`eyas.rows.check_decision`); raises `WireError`."""
+    check_decision(decision, tree.rows(), vocab_size)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from eyas import Engine
-from eyas.sampling import position_noise
+from eyas.keyed import position_noise
 
 VOCAB = 32
 PROMPTS = [[5, 17, 3, 8, 9], [7], [11, 22, 30, 4, 19, 6, 25]]

@@ -45,13 +45,13 @@ def edit_decision(record, change):
 
 
 def depth_two_row(tree):
-    return int((tree.depths == 2).nonzero()[0])
+    return tree.depths.index(2)
 
 
 def accept_a_grandchild(tree, msg):
     row = depth_two_row(tree)
     msg.accepted_rows[:] = [0, row]
-    msg.accepted_tokens[:] = [int(tree.tokens[row])]
+    msg.accepted_tokens[:] = [tree.tokens[row]]
 
 
 BREAKS = {

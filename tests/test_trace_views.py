@@ -8,6 +8,7 @@ browser fails the test rather than skipping it.
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from tests.helpers.servicekit import TREE, build_models
@@ -48,6 +49,25 @@ def test_trace_show_prints_the_summary_and_a_round_as_an_indented_tree(recorded,
     assert sorted(int(row) for _, row, *_ in nodes) == list(range(tree.num_rows))
     assert {int(row) for mark, row, *_ in nodes if mark == "*"} == set(decision.accepted_rows)
     assert "round 2 (version 2)" in out and "frontier token" in out
+
+
+@pytest.mark.parametrize("command", [["show", "{trace}", "--round", "1", "--target", "{target}"], ["check", "{trace}"],
+                                     ["diff", "{trace}", "{trace}"]], ids=["show", "check", "diff"])
+def test_trace_commands_load_neither_torch_nor_transformers(recorded, command):
+    """The trace tools decode and check rounds with the torch-free half of the tree contract (eyas.rows), so they
+    start in well under a second; they must still do their job (exit 0 and print the round, the checks, the diff)."""
+    path, target = recorded
+    argv = ["trace", *(a.format(trace=path, target=target) for a in command)]
+    probe = (
+        "import sys\n"
+        "from eyas.client.cli import main\n"
+        f"code = main({argv!r})\n"
+        "print('loaded', sorted(m for m in ('torch', 'transformers') if m in sys.modules), 'exit', code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "loaded [] exit 0"
+    assert {"show": "round 1 (version 1)", "check": "all invariants hold", "diff": "identical"}[command[0]] in done.stdout.lower()
 
 
 def test_trace_show_names_a_request_that_is_not_there(recorded, capsys):

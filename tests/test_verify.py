@@ -12,7 +12,8 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eyas.sampling import SamplingError, SamplingParams, keyed_token, position_noise, target_log_probs, target_probs
+from eyas.keyed import keyed_token, position_noise, target_log_probs, target_probs
+from eyas.sampling import SamplingError, SamplingParams
 from eyas.tree import DraftTree, flatten
 from eyas.verify import decide, greedy_decision, sampled_decision
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..tree import FlattenedTree
-from ..verify import AcceptanceDecision
+from ..rows import AcceptanceDecision, TreeRows
 
 Label = Callable[[int], str]
 
@@ -34,12 +33,12 @@ def _gap(a: list[float], b: list[float]) -> float:
 
 
 def tree_difference(
-    expected: FlattenedTree, actual: FlattenedTree, tolerance: float = 0.0, label: Label = str
+    expected: TreeRows, actual: TreeRows, tolerance: float = 0.0, label: Label = str
 ) -> tuple[Difference | None, float]:
     """The first differing node of two trees (token, parent, draft probability), and the largest probability gap."""
-    e_tokens, a_tokens = expected.tokens.tolist(), actual.tokens.tolist()
-    e_parents, a_parents = expected.parents.tolist(), actual.parents.tolist()
-    e_probs, a_probs = expected.draft_probs.tolist(), actual.draft_probs.tolist()
+    e_tokens, a_tokens = expected.tokens, actual.tokens
+    e_parents, a_parents = expected.parents, actual.parents
+    e_probs, a_probs = expected.draft_probs, actual.draft_probs
     gap = _gap(e_probs, a_probs)
     if expected.prefix_len != actual.prefix_len:
         return Difference("tree prefix", None, str(expected.prefix_len), str(actual.prefix_len)), gap
@@ -56,14 +55,14 @@ def tree_difference(
 
 
 def decision_difference(
-    tree: FlattenedTree,
+    tree: TreeRows,
     expected: AcceptanceDecision,
     actual: AcceptanceDecision,
     tolerance: float = 0.0,
     label: Label = str,
 ) -> tuple[Difference | None, float]:
     """The first difference of two decisions on the same tree, and the largest target probability gap."""
-    tokens = tree.tokens.tolist()
+    tokens = tree.tokens
     e_probs, a_probs = list(expected.token_probs), list(actual.token_probs)
     gap = max(_gap(e_probs, a_probs), abs(expected.frontier_prob - actual.frontier_prob))
 

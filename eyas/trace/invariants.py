@@ -1,6 +1,6 @@
 """Invariant checks on every record of a trace, without any model.
 
-Tree structure is checked by the engine's own receipt checks (`validate_tree`, `validate_decision`);
+Tree structure is checked by the engine's own receipt checks (`check_tree`, `check_decision`, no torch);
 this module adds what only a whole request shows: the prefix and root each tree builds on, the
 versions, the sampling options, and the output the rounds committed.
 """
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import WireError
 from ..request import make_sampling
-from ..tree import TreeError, validate_tree
-from ..wire import WireError, validate_decision
-from .format import Round
+from ..rows import TreeError, check_decision, check_tree
 from .messages import decode_round
 from .store import TracedRequest
 
@@ -90,15 +89,15 @@ def check_request(request: TracedRequest) -> list[Violation]:
             tokens = start.prompt_ids + committed
             if tree.prefix_len != len(tokens) - 1:
                 bad("positions", f"the tree sits on prefix {tree.prefix_len}, {len(tokens) - 1} tokens are committed")
-            if tree.num_rows and int(tree.tokens[0]) != tokens[-1]:
-                bad("output", f"the root token {int(tree.tokens[0])} is not the last committed token {tokens[-1]}")
+            if tree.num_rows and tree.tokens[0] != tokens[-1]:
+                bad("output", f"the root token {tree.tokens[0]} is not the last committed token {tokens[-1]}")
         try:
-            validate_tree(tree, vocab_size=vocab)
+            check_tree(tree, vocab_size=vocab)
         except TreeError as exc:
             bad(TREE_FIELDS.get(exc.field, "tree"), str(exc))
             continue
         try:
-            validate_decision(decision, tree, vocab)
+            check_decision(decision, tree, vocab)
         except WireError as exc:
             bad(DECISION_FIELDS.get(exc.field, "decision"), str(exc))
             continue

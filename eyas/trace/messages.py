@@ -2,19 +2,18 @@
 
 In the service the FlattenedTree is the `tree` field of the VerifyRequest the coordinator sent and
 the AcceptanceDecision the `decision` field of the Verification the target worker sent back; both
-are cut out of the serialized calls, byte for byte. In process the same messages are built with the
-wire codec (same request reference, same fields), so local and service traces hold the same bytes.
+are cut out of the serialized calls, byte for byte. In process the recorder builds the same messages
+with the wire codec (same request reference, same fields), so local and service traces hold the same
+bytes. Decoding needs no torch, so the trace tools start quickly.
 """
 
 from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
-from .. import wire
-from ..rounds import RoundRecord
-from ..tree import FlattenedTree
+from ..errors import WireError
+from ..rows import AcceptanceDecision, TreeRows, decision_from_proto, rows_from_proto
 from ..v1 import round_pb2 as pb
-from ..verify import AcceptanceDecision
 from .format import Round
 
 
@@ -59,21 +58,14 @@ def verify_exchange(request: bytes, reply: bytes) -> tuple[bytes, bytes]:
     )
 
 
-def local_messages(record: RoundRecord, request_id: str, manifest_id: str) -> tuple[bytes, bytes]:
-    """(FlattenedTree, AcceptanceDecision) bytes of an in-process round, as the service would send them."""
-    ref = wire.ref(request_id, record.version, manifest_id)
-    tree = wire.tree_to_proto(record.tree, ref).SerializeToString()
-    return tree, wire.decision_to_proto(record.decision, record.features, ref).SerializeToString()
-
-
-def decode_round(record: Round) -> tuple[FlattenedTree, AcceptanceDecision, pb.FlattenedTree, pb.AcceptanceDecision]:
-    """The recorded tree and decision as engine objects and as messages; raises WireError naming a bad field."""
+def decode_round(record: Round) -> tuple[TreeRows, AcceptanceDecision, pb.FlattenedTree, pb.AcceptanceDecision]:
+    """The recorded tree (as lists) and decision, and their messages; raises WireError naming a bad field. No torch."""
     try:
         tree_msg = pb.FlattenedTree.FromString(record.tree)
     except DecodeError as exc:
-        raise wire.WireError("tree", f"not a FlattenedTree message ({exc})") from None
+        raise WireError("tree", f"not a FlattenedTree message ({exc})") from None
     try:
         decision_msg = pb.AcceptanceDecision.FromString(record.decision)
     except DecodeError as exc:
-        raise wire.WireError("decision", f"not an AcceptanceDecision message ({exc})") from None
-    return wire.tree_from_proto(tree_msg), wire.decision_from_proto(decision_msg), tree_msg, decision_msg
+        raise WireError("decision", f"not an AcceptanceDecision message ({exc})") from None
+    return rows_from_proto(tree_msg), decision_from_proto(decision_msg), tree_msg, decision_msg

@@ -10,11 +10,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+from .. import wire
 from ..request import RequestState
 from ..rounds import RoundRecord
 from ..tree import TreePolicy
 from .format import RequestEnd, RequestStart, Round, encode
-from .messages import local_messages
+
+
+def local_messages(record: RoundRecord, request_id: str, manifest_id: str) -> tuple[bytes, bytes]:
+    """(FlattenedTree, AcceptanceDecision) bytes of an in-process round, as the service would send them."""
+    ref = wire.ref(request_id, record.version, manifest_id)
+    tree = wire.tree_to_proto(record.tree, ref).SerializeToString()
+    return tree, wire.decision_to_proto(record.decision, record.features, ref).SerializeToString()
 
 
 class RequestRecorder:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tree import TreeError, validate_tree
-from ..wire import WireError, validate_decision
+from ..errors import WireError
+from ..rows import TreeError, check_decision, check_tree
 from .invariants import UNBOUNDED_VOCAB
 from .messages import decode_round
 from .store import TracedRequest
@@ -72,8 +72,8 @@ def summarize(requests: list[TracedRequest]) -> Summary:
         for rnd in request.rounds:
             try:
                 tree, decision, _, _ = decode_round(rnd)
-                validate_tree(tree, vocab_size=UNBOUNDED_VOCAB)
-                validate_decision(decision, tree, UNBOUNDED_VOCAB)
+                check_tree(tree, vocab_size=UNBOUNDED_VOCAB)
+                check_decision(decision, tree, UNBOUNDED_VOCAB)
             except (TreeError, WireError):
                 continue
             s.rounds += 1
@@ -85,7 +85,7 @@ def summarize(requests: list[TracedRequest]) -> Summary:
             k = decision.num_accepted
             _grow(s.accepted_lengths, k)
             s.accepted_lengths[k] += 1
-            depth = int(tree.depths.max()) if tree.num_rows else 0
+            depth = max(tree.depths, default=0)
             _grow(s.offered, depth)
             _grow(s.accepted_at, max(depth, k))
             for d in range(depth + 1):
@@ -93,7 +93,7 @@ def summarize(requests: list[TracedRequest]) -> Summary:
             for d in range(k + 1):
                 s.accepted_at[d] += 1
             on_path = set(decision.accepted_rows)
-            parents, probs = tree.parents.tolist(), tree.draft_probs.tolist()
+            parents, probs = tree.parents, tree.draft_probs
             for row in range(1, tree.num_rows):
                 if parents[row] in on_path:
                     bucket = s.calibration[min(int(probs[row] * BUCKETS), BUCKETS - 1)]
