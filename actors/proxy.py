@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from eyas import wire
 from eyas.rounds import Proposal, Verification
-from eyas.rows import check_fit
+from eyas.treerows import check_fit
 from eyas.rpc import call_metadata, field_of
 from eyas.sampling import SamplingParams
 from eyas.tree import FlattenedTree, TreePolicy

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from eyas.errors import WireError
-from eyas.rows import TreeError, check_decision, check_tree
+from eyas.treerows import TreeError, check_decision, check_tree
 from eyas.trace.compare import Label
 from eyas.trace.invariants import UNBOUNDED_VOCAB
 from eyas.trace.messages import decode_round

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from eyas.assets import demo_model
 from eyas.digests import tokenizer_digest
-from eyas.rows import check_decision, check_tree
+from eyas.treerows import check_decision, check_tree
 from eyas.trace.compare import Label
 from eyas.trace.format import Round
 from eyas.trace.invariants import UNBOUNDED_VOCAB

@@ -3,7 +3,7 @@
 `DraftTree` records expansion results with the receipt rules of docs/tree.md#growing;
 `DraftTree.select` reranks to an ancestor-closed verify budget; `flatten` turns a
 selection into the rows the target verifies; `validate_tree` is the receipt check
-every consumer of a `FlattenedTree` runs (written over lists in `eyas.rows`).
+every consumer of a `FlattenedTree` runs (written over lists in `eyas.treerows`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rows import TreeError, TreeRows, ancestry, check_tree, children, leaf_paths, path_to
+from .treerows import TreeError, TreeRows, ancestry, check_tree, children, leaf_paths, path_to
 
 TREE_ABI_VERSION = 1
 LOG_FLOOR = 1e-12  # ranking floor for log(confidence); the stored probability is never changed
@@ -215,7 +215,7 @@ def validate_tree(
     budget: int | None = None,
     root_token: int | None = None,
 ) -> None:
-    """Receipt check of a flattened tree (`eyas.rows.check_tree`); raises `TreeError` naming the first broken field.
+    """Receipt check of a flattened tree (`eyas.treerows.check_tree`); raises `TreeError` naming the first broken field.
 
     Run once where a tree crosses a trust boundary before it is verified (a target worker, a trace replay).
     """

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .keyed import keyed_token, target_log_probs
-from .rows import AcceptanceDecision
+from .treerows import AcceptanceDecision
 from .sampling import SamplingParams
 from .tree import FlattenedTree
 

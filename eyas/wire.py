@@ -2,7 +2,7 @@
 
 Tensors travel as raw little-endian bytes with dtype and shape. Decoding checks every field it
 reads and raises `WireError` naming it; tree semantics are checked by `eyas.tree.validate_tree`
-and decisions by `validate_decision` (both written over lists in `eyas.rows`, which also decodes
+and decisions by `validate_decision` (both written over lists in `eyas.treerows`, which also decodes
 trees and decisions without torch for the trace tools). Imports protobuf only (no gRPC, no Ray), so the engine
 package stays usable without the service.
 """
@@ -14,7 +14,7 @@ import torch
 from .errors import WireError
 from .request import make_sampling
 from .rounds import Proposal, Verification
-from .rows import AcceptanceDecision, array_from_proto, check_decision, decision_from_proto
+from .treerows import AcceptanceDecision, array_from_proto, check_decision, decision_from_proto
 from .sampling import SamplingParams
 from .tree import FlattenedTree, TreePolicy
 from .v1 import round_pb2 as pb
@@ -171,5 +171,5 @@ def verification_from_proto(msg: pb.Verification, feature_width: int) -> Verific
 
 
 def validate_decision(decision: AcceptanceDecision, tree: FlattenedTree, vocab_size: int) -> None:
-    """Receipt check of a decision against the tree it decides (`eyas.rows.check_decision`); raises `WireError`."""
+    """Receipt check of a decision against the tree it decides (`eyas.treerows.check_decision`); raises `WireError`."""
     check_decision(decision, tree.rows(), vocab_size)

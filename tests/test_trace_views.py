@@ -54,7 +54,7 @@ def test_trace_show_prints_the_summary_and_a_round_as_an_indented_tree(recorded,
 @pytest.mark.parametrize("command", [["show", "{trace}", "--round", "1", "--target", "{target}"], ["check", "{trace}"],
                                      ["diff", "{trace}", "{trace}"]], ids=["show", "check", "diff"])
 def test_trace_commands_load_neither_torch_nor_transformers(recorded, command):
-    """The trace tools decode and check rounds with the torch-free half of the tree contract (eyas.rows), so they
+    """The trace tools decode and check rounds with the torch-free half of the tree contract (eyas.treerows), so they
     start in well under a second; they must still do their job (exit 0 and print the round, the checks, the diff)."""
     path, target = recorded
     argv = ["trace", *(a.format(trace=path, target=target) for a in command)]

@@ -1,7 +1,7 @@
 """`eyas demo build`: every demo model from its recipe, stage by stage, resumable; then the report.
 
 Stages: the dense target and the plain draft LM (eyas.demo.build), the EAGLE-1, HASS and EAGLE-3 drafters
-(configs/train/<kind>.yaml), and on request the Mixtral-style MoE target with its EAGLE-3 drafter. Each stage
+(configs/train/<name>.yaml), and on request the Mixtral-style MoE target with its EAGLE-3 drafter. Each stage
 checkpoints under the work directory; a rerun skips finished stages and resumes an interrupted one.
 """
 
@@ -65,9 +65,8 @@ def latest_checkpoint(output: Path) -> Path | None:
 
 
 def train_drafter(name: str, against: str, out_root: Path, work_dir: Path, steps: int | None) -> str:
-    """Train (or resume, or skip if finished) one drafter recipe against out_root/against; publish it to out_root/name."""
-    kind = name.split("-")[-1]
-    recipe = Recipe.from_yaml(RECIPES / f"{kind}.yaml", target=str(out_root / against), output=str(work_dir / name),
+    """Train (or resume, or skip if finished) configs/train/<name>.yaml against out_root/against; publish to out_root/name."""
+    recipe = Recipe.from_yaml(RECIPES / f"{name}.yaml", target=str(out_root / against), output=str(work_dir / name),
                               max_steps=steps, save_every=SAVE_EVERY)
     output = Path(recipe.output)
     final = output / "final"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..rows import AcceptanceDecision, TreeRows
+from ..treerows import AcceptanceDecision, TreeRows
 
 Label = Callable[[int], str]
 

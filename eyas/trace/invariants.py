@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import WireError
 from ..request import make_sampling
-from ..rows import TreeError, check_decision, check_tree
+from ..treerows import TreeError, check_decision, check_tree
 from .messages import decode_round
 from .store import TracedRequest
 

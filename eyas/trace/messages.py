@@ -12,7 +12,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from ..errors import WireError
-from ..rows import AcceptanceDecision, TreeRows, decision_from_proto, rows_from_proto
+from ..treerows import AcceptanceDecision, TreeRows, decision_from_proto, rows_from_proto
 from ..v1 import round_pb2 as pb
 from .format import Round
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import WireError
-from ..rows import TreeError, check_decision, check_tree
+from ..treerows import TreeError, check_decision, check_tree
 from .invariants import UNBOUNDED_VOCAB
 from .messages import decode_round
 from .store import TracedRequest
