@@ -10,6 +10,17 @@ from eyas.assets import DEFAULT_DRAFTER
 from ..loading import quiet_loading
 
 
+def temperature_list(text: str) -> tuple[float, ...]:
+    """`0,0.7,1.0` -> (0.0, 0.7, 1.0); each a finite number >= 0."""
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or any(not 0.0 <= t < float("inf") for t in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be finite numbers >= 0, got {text!r}")
+    return values
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     """Benchmark eyas against Hugging Face (plain and assisted), vLLM (plain and EAGLE) and its own service."""
     from .peers import SYSTEMS, main_bench
@@ -18,7 +29,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else SYSTEMS
     result = main_bench(
         args.suite, args.json, args.png, args.prompts, systems, args.blocks, args.max_new_tokens, args.vllm_k, args.vllm_k_scan,
-        args.dtype, args.draft_ahead,
+        args.dtype, args.draft_ahead, args.temperatures,
     )
     for entry in result["systems"]:
         speedup = entry["speedup_vs_hf"]
@@ -84,6 +95,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     peers.add_argument("--vllm-k-scan", action="store_true", help="scan vLLM EAGLE's k over 1..6 first (six more vLLM runs) and use the best")
     peers.add_argument("--dtype", default="auto", help="the target's dtype in every system (auto: float32 on CPU)")
     peers.add_argument("--draft-ahead", type=int, default=0, help="trees eyas drafts ahead per round (default 0: off)")
+    peers.add_argument("--temperatures", type=temperature_list, default=(0.0, 0.7),
+                       help="comma-separated sampling temperatures, 0 for greedy (default 0,0.7)")
     peers.set_defaults(func=cmd_peers)
 
     tree = kinds.add_parser("tree", help="tree auto against a grid of fixed trees", description=cmd_tree.__doc__)

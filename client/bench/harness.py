@@ -179,7 +179,7 @@ def write_charts(result: dict, out_dir: Path) -> list[Path]:
         entries = [e for e in result["systems"] if e["temperature"] == t]
         labels = [f"{e['system']}\n{e['drafter']}" for e in entries]
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        for ax, key, title in zip(axes, ("tokens_per_s", "speedup_vs_hf", "mean_accept_length"), ("tokens/s", "speedup vs HF greedy", "acceptance length")):
+        for ax, key, title in zip(axes, ("tokens_per_s", "speedup_vs_hf", "mean_accept_length"), ("tokens/s", "speedup vs HF at that temperature", "acceptance length")):
             ax.bar(labels, [e.get(key) or 0 for e in entries])
             ax.set_title(f"{title} (temperature {t})")
             ax.tick_params(axis="x", labelsize=7)
