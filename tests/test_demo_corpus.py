@@ -9,9 +9,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyas.demo.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
+from eyas.demo.drafters import build_demo, latest_checkpoint
 import eyas.demo.lm as lm
 from eyas.demo.lm import CHECKPOINT_FILE, train_lm
 from eyas.demo.tokenizer import EOT, PAD, train_tokenizer
+from eyas.train.trainer import STATE_FILE
 
 TRICKY = "def f(x):\n\treturn 'héllo ✓ 日本'  \r\n\n    \x0c  # trailing   \n\n"
 
@@ -108,3 +110,14 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path):
     _train(tiny, tmp_path / "a", tmp_path / "w")
     with pytest.raises(ValueError, match="its lr differs"):
         _train(tiny, tmp_path / "a", tmp_path / "w", lr=1e-4)
+
+
+def test_demo_build_resumes_drafters_from_their_newest_checkpoint_and_refuses_unknown_stages(tmp_path):
+    for step in (100, 300, 200):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / STATE_FILE).write_bytes(b"")
+    (tmp_path / "checkpoint-400").mkdir()  # cut off while it was being written: no trainer state
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-300"
+    assert latest_checkpoint(tmp_path / "none") is None
+    with pytest.raises(ValueError, match="unknown demo stage 'eagle2'"):
+        build_demo(tmp_path, tmp_path, stages=("target", "eagle2"))
