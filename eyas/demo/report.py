@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
 
 from ..engine import Engine
 from ..train.plots import plot_lm_curves
@@ -19,6 +23,7 @@ TREES = {
 }
 SAMPLED_TREES = ("tree (width 8, depth 5, budget 32)", "chain (depth 5)")
 TEMPERATURES = (0.7, 1.0)
+SPEED_DRAFTER = "eagle3"  # timed against plain Hugging Face generate at greedy and each of TEMPERATURES
 # drafter directory -> the target directory it drafts for
 DRAFTER_TARGETS = {"eagle1": "target", "hass": "target", "eagle3": "target", "moe-eagle3": "moe"}
 BASE_MODELS = ("target", "draft-lm", "moe")
@@ -40,6 +45,40 @@ def acceptance(engine: Engine, prompts: list[str], tree: dict, max_new_tokens: i
     return {"mean_accept_length": tokens / rounds, "tokens": tokens, "rounds": rounds, "histogram": histogram}
 
 
+@torch.no_grad()
+def speed(root: Path, kind: str, prompts: list[str], max_new_tokens: int) -> dict:
+    """Tokens/s of eyas in process (this drafter, the default tree auto, one engine per temperature) against plain
+    Hugging Face `generate` on the same prompt ids, prompt by prompt in turn, both in float32 on the CPU."""
+    target = root / DRAFTER_TARGETS[kind]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    out = {}
+    for t in (0.0, *TEMPERATURES):
+        engine = Engine.from_pretrained(target, root / kind)
+        ids = [engine.target.tokenizer.encode(p) for p in prompts]
+        sample = {"do_sample": True, "temperature": t, "top_k": 0, "top_p": 1.0} if t else {"do_sample": False}
+        seconds = {"eyas": 0.0, "hf": 0.0}
+        tokens = {"eyas": 0, "hf": 0}
+        for i, prompt in enumerate([ids[0], *ids]):  # the first is a warm-up, not counted
+            started = time.perf_counter()
+            made = len(engine.generate(prompt, max_new_tokens, temperature=t, seed=i, stop_at_eos=False).token_ids)
+            eyas_seconds = time.perf_counter() - started
+            torch.manual_seed(i)
+            x = torch.tensor([prompt])
+            started = time.perf_counter()
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                            eos_token_id=None, pad_token_id=hf.generation_config.pad_token_id, **sample)
+            hf_seconds = time.perf_counter() - started
+            if i:
+                seconds["eyas"] += eyas_seconds
+                seconds["hf"] += hf_seconds
+                tokens["eyas"] += made
+                tokens["hf"] += y.shape[1] - x.shape[1]
+        rates = {k: tokens[k] / seconds[k] for k in seconds}
+        out[f"T={t}"] = {"eyas_tokens_per_s": rates["eyas"], "hf_tokens_per_s": rates["hf"],
+                         "speedup": rates["eyas"] / rates["hf"], "tokens": tokens}
+    return out
+
+
 def measure(root: str | Path, n_prompts: int = 50, max_new_tokens: int = 64) -> dict:
     """For every bundled drafter: greedy acceptance under each tree, sampled acceptance at TEMPERATURES."""
     root = Path(root)
@@ -53,6 +92,8 @@ def measure(root: str | Path, n_prompts: int = 50, max_new_tokens: int = 64) -> 
         for t in TEMPERATURES:
             results[kind][f"T={t}"] = {name: acceptance(engine, prompts, TREES[name], max_new_tokens, t)
                                        for name in SAMPLED_TREES}
+        if kind == SPEED_DRAFTER:
+            results[kind]["speed"] = speed(root, kind, prompts, max_new_tokens)
     return results
 
 
@@ -103,6 +144,15 @@ def write_report(root: str | Path, results: dict, n_prompts: int, max_new_tokens
     ]
     for t in TEMPERATURES:
         lines += ["", f"Sampled at temperature {t} (seed i for prompt i):", "", *_table(results, f"T={t}", list(SAMPLED_TREES))]
+    timed = {k: r["speed"] for k, r in results.items() if "speed" in r}
+    for kind, by_t in timed.items():
+        lines += ["", f"## Speed: eyas in process ({kind}, tree auto) against plain Hugging Face `generate`", "",
+                  "Float32 on the CPU, the same prompts and token ids, the two systems alternating prompt by prompt "
+                  "(a warm-up prompt first, not counted).", "",
+                  "| temperature | eyas tok/s | Hugging Face tok/s | speedup |", "| --- | ---: | ---: | ---: |"]
+        for t, r in by_t.items():
+            lines.append(f"| {t.removeprefix('T=')} | {r['eyas_tokens_per_s']:.1f} | {r['hf_tokens_per_s']:.1f} | "
+                         f"{r['speedup']:.2f}x |")
     lines += ["", "## Drafter training", ""]
     for kind, summary in training.items():
         lines.append(f"- {kind}: {summary}")
