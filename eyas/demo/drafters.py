@@ -35,6 +35,7 @@ STAGES = {
 }
 DEFAULT_STAGES = ("target", "draft-lm", *DRAFTERS)
 SAVE_EVERY = 100  # drafter checkpoint interval: an interrupted build loses at most this many steps
+MINUTES_FILE = "build_minutes.json"  # in a drafter's output: its training wall time, kept across resumptions
 
 
 def publish_drafter(checkpoint: Path, destination: Path) -> None:
@@ -70,14 +71,25 @@ def train_drafter(name: str, against: str, out_root: Path, work_dir: Path, steps
                               max_steps=steps, save_every=SAVE_EVERY)
     output = Path(recipe.output)
     final = output / "final"
-    started = time.perf_counter()
     if not (final / STATE_FILE).exists():
+        started = time.perf_counter()
         Trainer(recipe, resume_from=latest_checkpoint(output)).fit()
+        add_training_minutes(output, (time.perf_counter() - started) / 60)
     publish_drafter(final, out_root / name)
     if (output / "training.png").exists():
         (out_root / "curves").mkdir(exist_ok=True)
         shutil.copy(output / "training.png", out_root / "curves" / f"{name}.png")
-    return training_summary(output, (time.perf_counter() - started) / 60)
+    return training_summary(output, training_minutes(output))
+
+
+def training_minutes(output: Path) -> float:
+    """Wall minutes the training runs of a drafter output took, summed over resumptions (0 if unrecorded)."""
+    path = output / MINUTES_FILE
+    return json.loads(path.read_text())["minutes"] if path.exists() else 0.0
+
+
+def add_training_minutes(output: Path, minutes: float) -> None:
+    (output / MINUTES_FILE).write_text(json.dumps({"minutes": training_minutes(output) + minutes}) + "\n")
 
 
 def build_demo(out_root: str | Path = "models/demo", work_dir: str | Path = "runs/demo",
