@@ -22,6 +22,7 @@ from .runtime.batch import Batcher, Rendezvous, RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .tree import DraftTree, TreeError, TreePolicy, flatten
+from .treerows import path_to
 
 MAX_BATCH_ROWS = 4096  # drafter rows one batched forward takes; calls past it wait for the next
 
@@ -261,7 +262,7 @@ class DraftSession:
                 )
             )  # [T, d]
             for i, (_, n, b) in enumerate(outcomes):
-                path = tuple(tree.tokens[m] for m in self._path(tree, n)[1:])
+                path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
                 built = self._grow(b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy)
                 built.proposal.assumed = (path, b)
                 self.ahead[(version, path, b, policy)] = built
@@ -270,13 +271,6 @@ class DraftSession:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
         finally:
             rendezvous.leave()
-
-    @staticmethod
-    def _path(tree: DraftTree, node: int) -> list[int]:
-        path = [node]
-        while tree.parents[path[-1]] >= 0:
-            path.append(tree.parents[path[-1]])
-        return path[::-1]
 
     def _settle_ahead(self) -> None:
         """Wait for the drafting ahead in flight (its rows are scratch that the next step drops)."""
