@@ -111,26 +111,51 @@ def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192,
     return Costs(list(VERIFY_ROWS), verify, list(DRAFT_ROWS), steps)
 
 
-def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
-    """Expected accepted draft tokens had `policy` drafted this round: replay its expansion on the recorded nodes.
+class Replay:
+    """One explored round, prepared for replaying many policies on its recorded nodes.
 
     accept[node]: probability the node is accepted given its parent was (verified nodes only; others count 0).
+    The children of every node are kept in the drafter's own top-k order, and each (width, depth) expansion is
+    replayed once: its nodes in global order give the expected accepted tokens of every budget as a prefix sum.
     """
-    children: dict[int, list[int]] = {}
-    for node in range(1, len(tree)):
-        children.setdefault(tree.parents[node], []).append(node)
-    for kids in children.values():
-        kids.sort(key=lambda n: -tree.confidences[n])  # the drafter's own top-k order
-    frontier, recorded = [0], []
-    for _ in range(policy.depth):
-        expanded = tree.ranked(frontier)[: policy.width]
-        frontier = [c for n in expanded for c in children.get(n, [])[: policy.width]]
-        recorded += frontier
-    selected = tree.ranked(recorded)[: policy.budget]
-    on_path: dict[int, float] = {0: 1.0}
-    for node in sorted(selected):  # parents precede children in node order
-        on_path[node] = on_path.get(tree.parents[node], 0.0) * accept.get(node, 0.0)
-    return sum(on_path.values()) - 1.0
+
+    def __init__(self, tree: DraftTree, accept: dict[int, float]):
+        self.tree = tree
+        self.accept = accept
+        self.children: dict[int, list[int]] = {}
+        for node in range(1, len(tree)):
+            self.children.setdefault(tree.parents[node], []).append(node)
+        for kids in self.children.values():
+            kids.sort(key=lambda n: -tree.confidences[n])
+        self._by_budget: dict[tuple[int, int], list[float]] = {}
+
+    def expected(self, policy: TreePolicy) -> float:
+        """Expected accepted draft tokens had `policy` drafted this round."""
+        key = (policy.width, policy.depth)
+        if key not in self._by_budget:
+            self._by_budget[key] = self._replay(policy.width, policy.depth)
+        by_budget = self._by_budget[key]
+        return by_budget[min(policy.budget, len(by_budget) - 1)]
+
+    def _replay(self, width: int, depth: int) -> list[float]:
+        """[b] expected accepted tokens of the best b nodes the (width, depth) expansion records, b = 0 .. all."""
+        tree = self.tree
+        frontier, recorded = [0], []
+        for _ in range(depth):
+            expanded = tree.ranked(frontier)[:width]
+            frontier = [c for n in expanded for c in self.children.get(n, [])[:width]]
+            recorded += frontier
+        on_path = {0: 1.0}
+        by_budget = [0.0]
+        for node in tree.ranked(recorded):  # every prefix of the global order is ancestor-closed
+            on_path[node] = on_path[tree.parents[node]] * self.accept.get(node, 0.0)
+            by_budget.append(by_budget[-1] + on_path[node])
+        return by_budget
+
+
+def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
+    """Expected accepted draft tokens had `policy` drafted this round: replay its expansion on the recorded nodes."""
+    return Replay(tree, accept).expected(policy)
 
 
 @dataclass
@@ -142,7 +167,7 @@ class TreeTuner:
     revisit_every: int = 400
     drift: float = 0.25
     current: TreePolicy = EXPLORE
-    explored: deque = field(default_factory=lambda: deque(maxlen=32))  # (draft tree, accept) of EXPLORE rounds
+    explored: deque = field(default_factory=lambda: deque(maxlen=32))  # Replay of each EXPLORE round
     explored_chains: deque = field(default_factory=lambda: deque(maxlen=32))  # the same for EXPLORE_CHAIN rounds
     realised: deque = field(default_factory=lambda: deque(maxlen=48))
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))
@@ -166,7 +191,7 @@ class TreeTuner:
         if self.exploring:
             if record.draft_tree is not None and record.row_probs is not None:
                 accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
-                (self.explored_chains if record.policy == EXPLORE_CHAIN else self.explored).append((record.draft_tree, accept))
+                (self.explored_chains if record.policy == EXPLORE_CHAIN else self.explored).append(Replay(record.draft_tree, accept))
             self.exploring -= 1
             self._calibrate(record)
             if not self.exploring:
@@ -203,7 +228,7 @@ class TreeTuner:
 
     def per_round(self, policy: TreePolicy) -> list[float]:
         """Expected tokens of each explored round of its kind, had `policy` drafted it."""
-        return [1.0 + expected_accepted(t, a, policy) for t, a in self.rounds_for(policy)]
+        return [1.0 + replay.expected(policy) for replay in self.rounds_for(policy)]
 
     def score(self, policy: TreePolicy) -> tuple[float, float]:
         """(expected tokens per round, expected tokens per second) of `policy` on the explored rounds of its kind."""

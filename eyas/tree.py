@@ -74,9 +74,8 @@ class DraftTree:
 
     def ranked(self, nodes: list[int]) -> list[int]:
         """`nodes` in global order: higher path value first, then shallower, then earlier id (docs/tree.md#ranking)."""
-        values = torch.tensor([self.log_values[n] for n in nodes], dtype=torch.float64)
-        order = torch.argsort(-values, stable=True)
-        return [nodes[i] for i in order.tolist()]
+        values = self.log_values
+        return sorted(nodes, key=lambda n: -values[n])  # stable: equal values keep their given order
 
     def expandable(self, width: int) -> list[int]:
         """The `width` highest-value nodes of the latest frontier: the ones the drafter expands next."""
