@@ -31,8 +31,8 @@ EXPLORE = TreePolicy(width=8, depth=8, budget=64)
 EXPLORE_CHAIN = TreePolicy(width=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
-VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65)
-DRAFT_ROWS = (1, 2, 4, 8, 16)
+VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65, 128, 256)  # past 65: several requests' trees in one forward
+DRAFT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def grid() -> list[TreePolicy]:
@@ -64,23 +64,30 @@ class Costs:
     overhead_per_depth: float = 0.0
     overhead_per_round: float = 0.0
 
-    def model_seconds(self, policy: TreePolicy, seed_rows: float) -> float:
-        """Drafter steps (seed rows, then one step of width rows per further depth) plus one verification."""
-        draft = _interpolate(self.draft_rows, self.draft_seconds, seed_rows) if policy.depth else 0.0
-        draft += max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, policy.width)
-        return draft + _interpolate(self.verify_rows, self.verify_seconds, policy.budget + 1)
+    def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
+        """Drafter steps (seed rows, then one step of width rows per further depth) plus one verification, each one
+        forward over the rows of `concurrent` requests."""
+        n = concurrent
+        draft = _interpolate(self.draft_rows, self.draft_seconds, n * seed_rows) if policy.depth else 0.0
+        draft += max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, n * policy.width)
+        return draft + _interpolate(self.verify_rows, self.verify_seconds, n * (policy.budget + 1))
 
-    def round_seconds(self, policy: TreePolicy, seed_rows: float) -> float:
-        """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens."""
-        return self.model_seconds(policy, seed_rows) + policy.depth * self.overhead_per_depth + self.overhead_per_round
+    def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
+        """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
+        `concurrent` requests stepping together (their bookkeeping takes turns)."""
+        overhead = policy.depth * self.overhead_per_depth + self.overhead_per_round
+        return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead
 
 
 @torch.no_grad()
 def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192, repeats: int = 3) -> Costs:
     """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix (one borrowed slot each)."""
+    prefix_len = max(1, min(prefix_len, target.pool.slot_len - VERIFY_ROWS[-1], draft.pool.slot_len - DRAFT_ROWS[-1]))
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, target.vocab_size, (prefix_len,), generator=generator)
-    causal = torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril()
+    longest = max(prefix_len, VERIFY_ROWS[-1])
+    tokens = torch.randint(0, target.vocab_size, (longest,), generator=generator)
+    prefix = tokens[:prefix_len]
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
 
     def best_of(run) -> float:
         times = []
@@ -93,17 +100,17 @@ def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192,
     target_slot = target.pool.acquire(prefix_len + VERIFY_ROWS[-1], wait=True)
     draft_slot = draft.pool.acquire(prefix_len + DRAFT_ROWS[-1], wait=True)
     try:
-        target.run([target.call(target_slot, 0, prefix, torch.arange(prefix_len), causal, with_logits=False)])
+        target.run([target.call(target_slot, 0, prefix, torch.arange(prefix_len), causal[:prefix_len, :prefix_len], with_logits=False)])
         verify = []
         for rows in VERIFY_ROWS:
-            call = target.call(target_slot, prefix_len, prefix[:rows], torch.arange(prefix_len, prefix_len + rows), causal[:rows, :rows])
+            call = target.call(target_slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), causal[:rows, :rows])
             verify.append(best_of(lambda: target.run([call])))
-        state = torch.zeros(prefix_len, draft.drafter.hidden_size, dtype=draft.drafter.dtype)
-        draft.run([RowsCall(draft_slot, 0, prefix, torch.arange(prefix_len), causal, state)])
+        state = torch.zeros(longest, draft.drafter.hidden_size, dtype=draft.drafter.dtype)
+        draft.run([RowsCall(draft_slot, 0, prefix, torch.arange(prefix_len), causal[:prefix_len, :prefix_len], state[:prefix_len])])
         steps = []
         for rows in DRAFT_ROWS:
             visible = torch.ones(rows, prefix_len + rows, dtype=torch.bool)
-            call = RowsCall(draft_slot, prefix_len, prefix[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows])
+            call = RowsCall(draft_slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows])
             steps.append(best_of(lambda: draft.drafter.top_candidates(draft.run([call])[0], 8)))
     finally:
         target.pool.release(target_slot)
@@ -159,20 +166,32 @@ def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePol
 
 
 @dataclass
+class Choice:
+    """The policy chosen for one concurrency, with the tokens per round it is expected to commit."""
+
+    policy: TreePolicy
+    tokens: float
+    variance: float  # of the predicted mean: per-round spread over the explored rounds / their count
+
+
+@dataclass
 class TreeTuner:
-    """Chooses the tree policy for the next round from measured costs and recent exploration rounds."""
+    """Chooses the tree policy for the next round from measured costs and recent exploration rounds.
+
+    The choice depends on how many requests step together: their trees share every forward, and
+    once a forward is compute-bound, rows one request adds cost every other request time too, so
+    a batch of requests gets smaller trees than a request alone (one choice per concurrency).
+    """
 
     costs: Costs
     explore_rounds: int = 16  # half wide-tree, half chain rounds: acceptance varies a lot from round to round
     revisit_every: int = 400
     drift: float = 0.25
-    current: TreePolicy = EXPLORE
     explored: deque = field(default_factory=lambda: deque(maxlen=32))  # Replay of each EXPLORE round
     explored_chains: deque = field(default_factory=lambda: deque(maxlen=32))  # the same for EXPLORE_CHAIN rounds
-    realised: deque = field(default_factory=lambda: deque(maxlen=48))
+    realised: deque = field(default_factory=lambda: deque(maxlen=48))  # (tokens, predicted tokens) per round
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))
-    predicted_tokens: float = 0.0
-    predicted_variance: float = 0.0  # of the predicted mean: per-round spread over the explored rounds / their count
+    choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0
     since_choice: int = 0
     history: list[dict] = field(default_factory=list)
@@ -180,25 +199,41 @@ class TreeTuner:
     def __post_init__(self) -> None:
         self.exploring = self.explore_rounds
 
-    def policy(self) -> TreePolicy:
-        """The next round's policy: exploration rounds alternate EXPLORE_CHAIN and EXPLORE, then the chosen one."""
+    @property
+    def current(self) -> TreePolicy:
+        """The policy of a request running alone (EXPLORE until something was explored)."""
+        return self.choices[1].policy if 1 in self.choices else EXPLORE
+
+    def policy(self, concurrent: int = 1) -> TreePolicy:
+        """The next round's policy when `concurrent` requests step together: exploration rounds alternate
+        EXPLORE_CHAIN and EXPLORE, then the chosen one."""
         if not self.exploring:
-            return self.current
+            return self.choice(concurrent).policy
         return EXPLORE_CHAIN if self.exploring % 2 else EXPLORE
 
-    def observe(self, record: RoundRecord) -> None:
-        """Fold in one finished round; re-choose after exploring, explore again on drift or after a while."""
+    def choice(self, concurrent: int) -> Choice:
+        if concurrent not in self.choices:
+            self.choose(concurrent)
+        return self.choices.get(concurrent) or Choice(EXPLORE, 0.0, 0.0)
+
+    def observe(self, record: RoundRecord, concurrent: int = 1) -> None:
+        """Fold in one finished round (run beside `concurrent - 1` others); re-choose after exploring, explore again
+        on drift or after a while."""
         if self.exploring:
             if record.draft_tree is not None and record.row_probs is not None:
                 accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
                 (self.explored_chains if record.policy == EXPLORE_CHAIN else self.explored).append(Replay(record.draft_tree, accept))
             self.exploring -= 1
-            self._calibrate(record)
+            self._calibrate(record, concurrent)
             if not self.exploring:
-                self.choose()
+                self.choices.clear()
+                self.choose(concurrent)
             return
+        chosen = self.choices.get(concurrent)
+        if chosen is None or chosen.policy != record.policy:
+            return  # a round drafted before the latest choice predicts nothing about it
         self.since_choice += 1
-        self.realised.append(record.decision.num_accepted + 1)
+        self.realised.append((record.decision.num_accepted + 1, chosen.tokens, chosen.variance))
         if len(self.realised) == self.realised.maxlen:
             if self.drifted() or self.since_choice >= self.revisit_every:
                 self.exploring = self.explore_rounds
@@ -207,18 +242,22 @@ class TreeTuner:
     def drifted(self) -> bool:
         """Realised tokens per round differ from the prediction by more than `drift`, beyond three standard errors."""
         n = len(self.realised)
-        mean = sum(self.realised) / n
-        variance = sum((x - mean) ** 2 for x in self.realised) / max(1, n - 1) / n
-        gap = abs(mean - self.predicted_tokens)
-        return gap > self.drift * self.predicted_tokens and gap > 3.0 * (variance + self.predicted_variance) ** 0.5
+        mean = sum(r for r, _, _ in self.realised) / n
+        predicted = sum(p for _, p, _ in self.realised) / n
+        predicted_variance = sum(v for _, _, v in self.realised) / n
+        variance = sum((r - mean) ** 2 for r, _, _ in self.realised) / max(1, n - 1) / n
+        gap = abs(mean - predicted)
+        return gap > self.drift * predicted and gap > 3.0 * (variance + predicted_variance) ** 0.5
 
-    def _calibrate(self, record: RoundRecord) -> None:
-        """Learn the time exploration rounds spend outside model forwards: tree bookkeeping per depth, the rest per round."""
+    def _calibrate(self, record: RoundRecord, concurrent: int) -> None:
+        """Learn the time exploration rounds spend outside model forwards: tree bookkeeping per depth, the rest per
+        round. Requests stepping together take turns at it, so a round's share is its time over `concurrent`."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
-        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1)
-        self.overheads.append((seconds.get("tree", 0.0) / policy.depth, max(0.0, observed - model - seconds.get("tree", 0.0))))
+        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, concurrent)
+        tree = seconds.get("tree", 0.0)
+        self.overheads.append((tree / policy.depth, max(0.0, observed - model - concurrent * tree) / concurrent))
         self.costs.overhead_per_depth = sum(d for d, _ in self.overheads) / len(self.overheads)
         self.costs.overhead_per_round = sum(r for _, r in self.overheads) / len(self.overheads)
 
@@ -230,20 +269,22 @@ class TreeTuner:
         """Expected tokens of each explored round of its kind, had `policy` drafted it."""
         return [1.0 + replay.expected(policy) for replay in self.rounds_for(policy)]
 
-    def score(self, policy: TreePolicy) -> tuple[float, float]:
-        """(expected tokens per round, expected tokens per second) of `policy` on the explored rounds of its kind."""
+    def score(self, policy: TreePolicy, concurrent: int = 1) -> tuple[float, float]:
+        """(expected tokens per round, expected tokens per second of each request) of `policy` on the explored rounds
+        of its kind, when `concurrent` requests step together."""
         values = self.per_round(policy)
         tokens = sum(values) / len(values)
-        return tokens, tokens / self.costs.round_seconds(policy, tokens)
+        return tokens, tokens / self.costs.round_seconds(policy, tokens, concurrent)
 
-    def choose(self) -> TreePolicy:
-        """The grid policy with the highest expected tokens per second."""
+    def choose(self, concurrent: int = 1) -> TreePolicy:
+        """The grid policy with the highest expected tokens per second for `concurrent` requests stepping together."""
         if not self.explored and not self.explored_chains:
             return self.current
-        scored = [(self.score(p), p) for p in grid()]
+        scored = [(self.score(p, concurrent), p) for p in grid()]
         (tokens, rate), best = max(scored, key=lambda item: item[0][1])
         per_round = self.per_round(best)
         spread = sum((x - tokens) ** 2 for x in per_round) / max(1, len(per_round) - 1)
-        self.current, self.predicted_tokens, self.predicted_variance, self.since_choice = best, tokens, spread / len(per_round), 0
-        self.history.append({"policy": best, "tokens_per_round": tokens, "tokens_per_s": rate})
+        self.choices[concurrent] = Choice(best, tokens, spread / len(per_round))
+        self.since_choice = 0
+        self.history.append({"policy": best, "concurrent": concurrent, "tokens_per_round": tokens, "tokens_per_s": rate})
         return best

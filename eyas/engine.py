@@ -263,10 +263,11 @@ class Engine:
             start(request, draft, target)
             stats.add_prefill(time.perf_counter() - started)
             while not request.done:
-                record = run_round(request, draft, target, self._policy() if auto else policy)
+                concurrent = max(1, rendezvous.parties)
+                record = run_round(request, draft, target, self._policy(concurrent) if auto else policy)
                 if auto:
                     with self._tuner_lock:
-                        self._tuner.observe(record)
+                        self._tuner.observe(record, concurrent)
                 stats.add_round(record)
                 if recorder is not None:
                     recorder.local_round(record)
@@ -282,7 +283,7 @@ class Engine:
         text = self.target.tokenizer.decode(request.output) if self.target.tokenizer is not None else None
         return Generation(request.output, text, request.finish_reason, stats, request.prompt_ids)
 
-    def _policy(self) -> TreePolicy:
+    def _policy(self, concurrent: int = 1) -> TreePolicy:
         tuner = self.tuner
         with self._tuner_lock:
-            return tuner.policy()
+            return tuner.policy(concurrent)

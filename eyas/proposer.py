@@ -205,7 +205,7 @@ class DraftSession:
             tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in expanded]), policy.width)
             start = time.perf_counter()
             parents = torch.tensor(expanded).repeat_interleave(tokens.shape[1])
-            tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten())
+            tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten(), top_k=True)
             tree_seconds += time.perf_counter() - start
         start = time.perf_counter()
         selected = tree.select(policy.budget)

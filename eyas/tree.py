@@ -8,6 +8,7 @@ every consumer of a `FlattenedTree` runs (written over lists in `eyas.treerows`)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,20 +95,37 @@ class DraftTree:
         )
 
     def add_expansion(
-        self, expanded: list[int], parents: torch.Tensor, tokens: torch.Tensor, confidences: torch.Tensor
+        self, expanded: list[int], parents: torch.Tensor, tokens: torch.Tensor, confidences: torch.Tensor, top_k: bool = False
     ) -> list[int]:
         """Vectorised `add_children`: parents, tokens, confidences [n]. All records are validated before any
-        is stored, so a rejected expansion leaves the tree unchanged."""
+        is stored, so a rejected expansion leaves the tree unchanged. `top_k`: the records are a drafter's
+        top-k of each expanded node in order (distinct tokens, at most one unit of mass under each parent by
+        construction), so only the confidences are checked."""
         outside = sorted(set(expanded) - set(self.frontier))
         if outside:
             raise TreeError("parent", f"expanded node {outside[0]} is not in the latest frontier")
-        stray = ~torch.isin(parents, torch.tensor(expanded, dtype=torch.long))
-        if stray.any():
-            raise TreeError("parent", f"node {int(parents[stray][0])} is not in the expanded frontier {sorted(expanded)}")
         c = confidences.to(torch.float64)
         bad = ~torch.isfinite(c) | (c < 0) | (c > 1)
         if bad.any():
             raise TreeError("confidence", f"must be a finite probability, got {float(c[bad][0])!r}")
+        if not top_k:
+            self._check_records(expanded, parents, tokens, c)
+        parent_list = parents.tolist()
+        log_values = [self.log_values[p] + math.log(max(q, LOG_FLOOR)) for p, q in zip(parent_list, c.tolist())]
+        added = list(range(len(self), len(self) + len(parent_list)))
+        self.tokens += tokens.tolist()
+        self.parents += parent_list
+        self.depths += [self.depths[p] + 1 for p in parent_list]
+        self.confidences += c.tolist()
+        self.log_values += log_values
+        self.frontier = added
+        return added
+
+    def _check_records(self, expanded: list[int], parents: torch.Tensor, tokens: torch.Tensor, c: torch.Tensor) -> None:
+        """Parents in the expanded frontier, nonnegative distinct tokens per parent, sibling mass at most one."""
+        stray = ~torch.isin(parents, torch.tensor(expanded, dtype=torch.long))
+        if stray.any():
+            raise TreeError("parent", f"node {int(parents[stray][0])} is not in the expanded frontier {sorted(expanded)}")
         if (tokens < 0).any():
             raise TreeError("token", f"token id {int(tokens[tokens < 0][0])} is negative")
         width = int(tokens.max()) + 1 if len(tokens) else 1
@@ -120,17 +138,6 @@ class DraftTree:
         if (mass > 1.0 + MASS_SLACK).any():
             parent = int((mass > 1.0 + MASS_SLACK).nonzero()[0])
             raise TreeError("confidence", f"sibling probability mass under node {parent} exceeds one")
-        parent_list = parents.tolist()
-        log_values = torch.tensor([self.log_values[p] for p in parent_list], dtype=torch.float64)
-        log_values += torch.log(c.clamp(min=LOG_FLOOR))
-        added = list(range(len(self), len(self) + len(parent_list)))
-        self.tokens += tokens.tolist()
-        self.parents += parent_list
-        self.depths += [self.depths[p] + 1 for p in parent_list]
-        self.confidences += c.tolist()
-        self.log_values += log_values.tolist()
-        self.frontier = added
-        return added
 
     def select(self, budget: int) -> list[int]:
         """The best `budget` non-root nodes in global order; every prefix of that order is ancestor-closed."""

@@ -73,6 +73,12 @@ def test_tuner_trades_acceptance_against_this_machines_costs(engine):
     steep = TreeTuner(Costs([1, 65], [0.010, 0.500], [1, 16], [0.001, 0.001]))
     steep.explored = cheap.explored
     assert steep.choose().budget < wide.budget
+    # rows are cheap up to one request's tree, then every row costs: requests stepping together get smaller trees
+    saturating = TreeTuner(Costs([1, 8, 16], [0.010, 0.011, 0.500], [1, 16], [0.001, 0.001]), explore_rounds=0)
+    saturating.explored = cheap.explored
+    alone, batched = saturating.choose(1), saturating.choose(8)
+    assert batched.budget < alone.budget
+    assert saturating.policy(8) == batched and saturating.policy(1) == alone
 
 
 def test_exploration_alternates_a_deep_chain_and_scores_chains_on_it(engine):

@@ -188,12 +188,12 @@ class Batcher(Generic[Call, Result]):
             while not entry.done:
                 if self.queue and entry in self.queue and meet.idle():
                     batch = self._take()
+                    meet.waiting -= len(batch)  # busy from now on: nobody else batches until they are back
                     meet.cond.release()
                     try:
                         self._execute(batch)
                     finally:
                         meet.cond.acquire()
-                    meet.waiting -= len(batch)
                     meet.cond.notify_all()
                 else:
                     meet.cond.wait()
