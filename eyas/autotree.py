@@ -110,8 +110,8 @@ def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192,
         steps = []
         for rows in DRAFT_ROWS:
             visible = torch.ones(rows, prefix_len + rows, dtype=torch.bool)
-            call = RowsCall(draft_slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows])
-            steps.append(best_of(lambda: draft.drafter.top_candidates(draft.run([call])[0], 8)))
+            call = RowsCall(draft_slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows], 8)
+            steps.append(best_of(lambda: draft.run([call])))
     finally:
         target.pool.release(target_slot)
         draft.pool.release(draft_slot)

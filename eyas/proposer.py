@@ -27,6 +27,15 @@ from .treerows import path_to
 MAX_BATCH_ROWS = 4096  # drafter rows one batched forward takes; calls past it wait for the next
 
 
+@dataclass
+class DraftRows:
+    """A drafter call's result: next states [N, d]; top-k target token ids and probabilities [N, k] when asked."""
+
+    states: torch.Tensor
+    tokens: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
 class DraftModel:
     """A drafter on one device with the KV pool its sessions share; `run` expands rows of many sessions at once."""
 
@@ -43,16 +52,26 @@ class DraftModel:
         slot_len = max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
-        self.batcher: Batcher[RowsCall, torch.Tensor] = Batcher(
+        self.batcher: Batcher[RowsCall, DraftRows] = Batcher(
             self.run, rendezvous or Rendezvous(), rows=lambda call: int(call.tokens.shape[0]), max_rows=MAX_BATCH_ROWS
         )
 
     @torch.no_grad()
-    def run(self, calls: list[RowsCall]) -> list[torch.Tensor]:
-        """One drafter pass over every call's rows -> each call's next states [N, d]."""
+    def run(self, calls: list[RowsCall]) -> list[DraftRows]:
+        """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
+        their rows' top-k candidates (one LM-head pass over the rows of all of them)."""
         packed = pack(calls, self.pool)
         out = self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)  # [B, N, d]
-        return split_rows(packed.rows(out), packed.lengths)
+        states = split_rows(packed.rows(out), packed.lengths)
+        results = [DraftRows(s) for s in states]
+        asking = [i for i, c in enumerate(calls) if c.top_k]
+        if asking:
+            k = max(calls[i].top_k for i in asking)
+            tokens, probs = self.drafter.top_candidates(torch.cat([states[i] for i in asking]), k)  # [R', k]
+            lengths = [packed.lengths[i] for i in asking]
+            for i, t, p in zip(asking, split_rows(tokens, lengths), split_rows(probs, lengths)):
+                results[i].tokens, results[i].probs = t[:, : calls[i].top_k], p[:, : calls[i].top_k]
+        return results
 
 
 @dataclass
@@ -153,7 +172,7 @@ class DraftSession:
         positions = torch.arange(self.committed, self.committed + m)
         out = self._run(RowsCall(self.slot, self.committed, torch.tensor(self.pending_tokens), positions, visible, self.pending_state))
         self.committed += m
-        self.root_state = out[-1]
+        self.root_state = out.states[-1]
         self.root_token = self.pending_tokens[-1]
         self.pending_state = None
         self.pending_tokens = []
@@ -197,12 +216,14 @@ class DraftSession:
         expanded = [0]
         tree_seconds = 0.0
         for depth in range(policy.depth):
-            if depth > 0:
+            if depth == 0:
+                tokens, probs = self.drafter.top_candidates(root_state[None], policy.width)  # [1, width]
+            else:
                 expanded = tree.expandable(policy.width)
-                out = self._expand(tree, expanded, states, path_rows, prefix_len)  # [Q, d]
+                out = self._expand(tree, expanded, states, path_rows, prefix_len, policy.width)
                 expanded_count += len(expanded)
-                states.update(zip(expanded, out))
-            tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in expanded]), policy.width)
+                states.update(zip(expanded, out.states))
+                tokens, probs = out.tokens, out.probs  # [Q, width]
             start = time.perf_counter()
             parents = torch.tensor(expanded).repeat_interleave(tokens.shape[1])
             tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten(), top_k=True)
@@ -231,7 +252,7 @@ class DraftSession:
             tree, nodes, prefix_len = proposal.draft_tree, proposal.row_nodes, proposal.tree.prefix_len
             leaves = [n for n in nodes if n not in states]
             if leaves:
-                states.update(zip(leaves, self._expand(tree, leaves, states, path_rows, prefix_len)))
+                states.update(zip(leaves, self._expand(tree, leaves, states, path_rows, prefix_len).states))
             # enough candidates per node that `ahead_trees` remain besides its verified children
             width = policy.width + self.model.ahead_trees
             tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in nodes]), width)
@@ -260,7 +281,7 @@ class DraftSession:
                     visible,
                     torch.stack([states[n] for _, n, _ in outcomes]),
                 )
-            )  # [T, d]
+            ).states  # [T, d]
             for i, (_, n, b) in enumerate(outcomes):
                 path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
                 built = self._grow(b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy)
@@ -286,8 +307,10 @@ class DraftSession:
         states: dict[int, torch.Tensor],
         path_rows: dict[int, list[int]],
         prefix_len: int,
-    ) -> torch.Tensor:
-        """Run the drafter on tree nodes: each sees the committed rows, its draft ancestors and itself."""
+        top_k: int = 0,
+    ) -> DraftRows:
+        """Run the drafter on tree nodes: each sees the committed rows, its draft ancestors and itself; with `top_k`,
+        also each node's top-k children candidates."""
         base = self.written
         visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
         visible[:, : self.committed] = True
@@ -297,10 +320,10 @@ class DraftSession:
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
         tokens = torch.tensor([tree.tokens[n] for n in nodes])
         positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])
-        return self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden))
+        return self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden, top_k))
 
-    def _run(self, call: RowsCall) -> torch.Tensor:
-        """Write `call`'s rows into this session's slot and return their drafter outputs [N, d]."""
+    def _run(self, call: RowsCall) -> DraftRows:
+        """Write `call`'s rows into this session's slot and return their drafter outputs."""
         self.model.pool.check_fits(call.start + call.tokens.shape[0])
         out = self.model.batcher.run(call)
         self.written = call.start + call.tokens.shape[0]

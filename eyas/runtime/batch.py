@@ -31,6 +31,7 @@ class RowsCall:
     positions: torch.Tensor  # [N] long
     visible: torch.Tensor  # [N, start + N] bool
     states: torch.Tensor | None = None  # [N, d] drafter input states
+    top_k: int = 0  # a drafter call: also return each row's top-k next-token candidates, from the same pass
 
 
 @dataclass
