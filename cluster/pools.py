@@ -156,7 +156,9 @@ class Pool:
             for handle in (actor, *followers):
                 ray.kill(handle)
             remove_placement_group(group)
-            raise PoolError(f"pools.{self.name}: {worker_id} failed to start: {root_cause(exc)}") from exc
+            cause = root_cause(exc)
+            why = f"not ready within service.ready_timeout_s = {self._ready_timeout:.0f}s" if isinstance(cause, TimeoutError) else cause
+            raise PoolError(f"pools.{self.name}: {worker_id} failed to start: {why}") from exc
         client = WorkerClient(self.name, worker_id, info.address, self._spec.token, self._rpc_timeout)
         log.info("pools.%s: %s ready at %s (%.1fs)", self.name, worker_id, info.address, time.monotonic() - began)
         member = Member(worker_id, actor, group, info, client, followers, rank_infos)
