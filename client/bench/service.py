@@ -11,6 +11,7 @@ neighbours. Prints one JSON record (Linux: CPU times come from /proc).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -92,18 +93,32 @@ def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_
 
 
 def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """All prompts at once through the service: tokens/s, how busy each pool's workers were, and how many
-    CPU cores the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain)."""
+    """All prompts at once through the service: tokens/s, each request's latency (p50, p99), how busy each pool's
+    workers were, and how many CPU cores the coordinator and workers got (on a shared machine, the ceiling of any
+    concurrency gain)."""
     pids = service_pids(client)
     before, cpu = busy_seconds(client), cpu_seconds(pids)
     started = time.perf_counter()
+
+    def timed(prompt: list[int]) -> tuple[object, float]:  # (result, seconds from the common start)
+        result = client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+        return result, time.perf_counter() - started
+
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda p: client.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True), prompts))
+        results, latencies = zip(*pool.map(timed, prompts))
     wall = time.perf_counter() - started
     cores = (cpu_seconds(pids) - cpu) / wall
     busy = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
     tokens_per_s = sum(len(r.token_ids) for r in results) / wall
-    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "cores": cores}
+    latency = dict(zip(("p50", "p99"), percentiles(latencies, (50, 99))))
+    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "cores": cores,
+            "latency_s": latency}
+
+
+def percentiles(values: list[float], ranks: tuple[float, ...]) -> list[float]:
+    """Nearest-rank percentiles of `values`."""
+    ordered = sorted(values)
+    return [ordered[max(0, math.ceil(r / 100 * len(ordered)) - 1)] for r in ranks]
 
 
 def busy_seconds(client: Client) -> dict[str, float]:
@@ -175,6 +190,7 @@ def run(args: argparse.Namespace) -> dict:
             "concurrency_gain": many / one,
             "concurrent_busy_fraction_per_worker": {pool: median(parallel, "busy", pool) for pool in ("draft", "target")},
             "concurrent_cpu_cores_used_by_service": median(parallel, "cores"),
+            "concurrent_request_latency_s": {q: median(parallel, "latency_s", q) for q in ("p50", "p99")},
         },
     }
     return record
