@@ -97,6 +97,7 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     token: str | None = None
     max_active: int = 32
+    kv_slots: int = 16  # requests one worker's KV pool holds at once; more wait for a slot (admission by capacity)
     rpc_timeout_s: float = 120.0
     ready_timeout_s: float = 600.0
     max_rebuilds: int = 8
@@ -121,7 +122,7 @@ class ServiceConfig:
         models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "feature_layers", "allow_manifest_mismatch"})
         pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
         network = _take(sections.get("network") or {}, "network.", {"host", "token"})
-        service = _take(sections.get("service") or {}, "service.", {"max_active", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
+        service = _take(sections.get("service") or {}, "service.", {"max_active", "kv_slots", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
         ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
         try:
             tree = TreePolicy.from_dict(sections.get("tree"))
@@ -152,6 +153,8 @@ class ServiceConfig:
         self.target_pool.check("target")
         if type(self.max_active) is not int or self.max_active < 1:
             raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
+        if type(self.kv_slots) is not int or self.kv_slots < 1:
+            raise ConfigError(f"service.kv_slots: must be an integer >= 1, got {self.kv_slots!r}")
         if type(self.max_request_bytes) is not int or not 1024 <= self.max_request_bytes <= 256 << 20:
             raise ConfigError(f"service.max_request_bytes: must be an integer 1024..{256 << 20}, got {self.max_request_bytes!r}")
         if type(self.draft_ahead) is not int or not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
@@ -191,6 +194,7 @@ class ServiceConfig:
             threads=pool.threads,
             tensor_parallel=pool.tensor_parallel,
             draft_ahead=self.draft_ahead,
+            kv_slots=self.kv_slots,
         )
 
     def check_target_split(self) -> None:

@@ -230,17 +230,27 @@ class Pool:
             return list(self._members)
 
     def acquire(self) -> Member:
-        """Route a request to the least-loaded ready worker, waiting (bounded) while none is ready."""
+        """Route a request to the least-loaded ready worker with a free KV slot.
+
+        Admission is by KV capacity: while every ready worker holds `kv_slots` requests, the request
+        waits (unbounded: a slot frees whenever a request finishes) instead of being refused by the
+        worker; while no worker is ready at all, it waits at most service.ready_timeout_s.
+        """
         deadline = time.monotonic() + self._ready_timeout
         with self._cond:
             while True:
                 if self._closed:
                     raise PoolError(f"pools.{self.name}: the service is stopping")
                 ready = [m for m in self._members if m.state == "ready"]
-                if ready:
-                    member = min(ready, key=lambda m: (m.load, m.started))
+                free = [m for m in ready if m.load < self._spec.kv_slots]
+                if free:
+                    member = min(free, key=lambda m: (m.load, m.started))
                     member.load += 1
                     return member
+                if ready:
+                    deadline = time.monotonic() + self._ready_timeout
+                    self._cond.wait()
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PoolError(f"pools.{self.name}: no ready worker within {self._ready_timeout:.0f}s")
@@ -259,6 +269,7 @@ class Pool:
                 return
             member.state = "lost"
             self._members.remove(member)
+            self._cond.notify_all()  # requests waiting for a free slot re-check: none may be ready now
             short = 0 if self._closed else self.size - len([m for m in self._members if m.state == "ready"]) - self._pending
         log.warning("pools.%s: worker %s at %s lost; replacing it", self.name, member.worker_id, member.info.address)
         member.client.close()  # new calls fail over at once; calls in flight on the channel finish first

@@ -27,14 +27,16 @@ from eyas.cluster.service import Service
 rng = random.Random(4)
 PROMPTS = [[rng.randrange(3, 96) for _ in range(n)] for n in [1, 2, 3, 5, 7, 8, 11, 13, 16, 19, 23, 29, 31, 37, 41, 3, 6, 9, 12, 15, 18, 21, 24, 27]]
 LENGTHS = [8 + (7 * i) % 33 for i in range(len(PROMPTS))]
+KV_SLOTS = 8
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
     ray.init(num_cpus=6, include_dashboard=False)
     target, drafter = build_models(tmp_path_factory.mktemp("service"))
-    # every test here runs with the workers' continuous batching and with drafting ahead on
-    sections = {"service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "metrics_port": 0, "draft_ahead": 2}}
+    # every test here runs with the workers' continuous batching and with drafting ahead on, and with
+    # KV_SLOTS per worker: 2 x KV_SLOTS < len(PROMPTS), so the concurrent tests also queue for KV slots
+    sections = {"service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "metrics_port": 0, "draft_ahead": 2, "kv_slots": KV_SLOTS}}
     service = Service(service_config(target, drafter, draft=2, targets=2, **sections), port=0).start()
     client = Client(service.address)
     engine = Engine.from_pretrained(target, drafter, tree=TREE)
@@ -55,6 +57,7 @@ def test_front_door_listens_on_loopback(svc):
 
 
 def test_concurrent_greedy_output_equals_engine_and_hugging_face(svc):
+    # 24 requests against 2 x 8 target slots: the ones that find every slot taken wait, none is refused
     results = run_concurrently(svc["client"], [{"prompt": p, "max_new_tokens": n} for p, n in zip(PROMPTS, LENGTHS)])
     expected = engine_outputs(svc["engine"], PROMPTS, LENGTHS)
     assert [r.token_ids for r in results] == expected

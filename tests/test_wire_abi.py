@@ -138,6 +138,7 @@ def test_local_yaml_is_the_documented_default():
         ({"netwrk": {}}, "netwrk"),
         ({"models": {"dtype": "int8"}}, "models.dtype"),
         ({"pools": {"draft": {"num_cpus": 0}}}, "pools.draft"),
+        ({"service": {"kv_slots": 0}}, "service.kv_slots"),
     ],
 )
 def test_config_refuses_unknown_keys_and_bad_values_by_name(data, named):
