@@ -21,6 +21,7 @@ from .rounds import Proposal
 from .runtime.batch import Batcher, Rendezvous, RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
+from .runtime.linear import PackedLinear, pack_linears
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
 
@@ -45,6 +46,9 @@ class DraftModel:
         """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified."""
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
+        pack_linears(drafter)  # inference only from here: every product, the target's head included, on prepacked weights
+        if drafter.bound:
+            drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head))
         self.drafter = drafter
         self.ahead_trees = ahead_trees
         self.background = ThreadPoolExecutor(max(1, kv_slots), thread_name_prefix="eyas-ahead")

@@ -32,6 +32,11 @@ class Drafter(nn.Module):
         return self
 
     @property
+    def bound(self) -> bool:
+        """Whether `bind_target` gave this drafter a target's embedding and LM head."""
+        return self._frozen is not None
+
+    @property
     def embed(self) -> nn.Embedding:
         if self._frozen is None:
             raise RuntimeError("drafter is not bound to a target: call bind_target first")

@@ -1,7 +1,8 @@
 """The Llama-family forward eyas serves with: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral
 (sliding window, applied by the caller's mask) and Mixtral (sparse MoE), from a local HF directory.
 
-Weights are fused at load (q/k/v into one projection, gate/up into one, experts stacked), rotary
+Weights are fused at load (q/k/v into one projection, gate/up into one, experts stacked), dense
+projections are `Linear`s that run small products through oneDNN on a CPU (runtime/linear.py), rotary
 tables are computed once, and feature taps are plain return values. A `Shard` makes the same model one
 rank of a tensor-parallel group (runtime/shard.py, docs/groups.md): it loads only its part of each
 tensor and sums partial results with one all-reduce after o, one after the MLP, one for the embedding. KV goes wherever the
@@ -23,6 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..drafters.layers import rotary_tables
 from .kv import TREE_HEADROOM
+from .linear import Linear
 from .shard import Shard, check_shardable, dims, shard_selection
 from .weights import WeightsError, load_state, router_name, take, take_experts, take_optional
 
@@ -47,15 +49,13 @@ class Layer:
     """One decoder layer's fused weights."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KVH) hd, d]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [d, H hd]
-    o_bias: torch.Tensor | None
+    qkv: Linear  # [(H + 2 KVH) hd, d], with the q/k/v biases where the model has them
+    o: Linear  # [d, H hd]
     q_norm: torch.Tensor | None  # [hd] (Qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # dense [2I, d] or experts [E, 2I, d]
-    down: torch.Tensor  # dense [d, I] or experts [E, d, I]
+    gate_up: Linear | torch.Tensor  # dense [2I, d], or experts [E, 2I, d] (sliced per call)
+    down: Linear | torch.Tensor  # dense [d, I], or experts [E, d, I]
     router: torch.Tensor | None = None  # [E, d] (Mixtral)
 
 
@@ -115,23 +115,21 @@ class CausalLM:
             qkv_bias = torch.cat(biases).to(device) if all(b is not None for b in biases) else None
             if self.experts:
                 router = fetch(router_name(state, p), (self.experts, d))
-                gate_up, down = take_experts(state, p, self.local_experts, d, inner)
+                gate_up, down = (w.to(device) for w in take_experts(state, p, self.local_experts, d, inner))
             else:
                 router = None
-                gate_up = torch.cat([take(state, f"{p}.mlp.{x}_proj.weight", (inner_local, d)) for x in ("gate", "up")])  # [2I, d]
-                down = take(state, f"{p}.mlp.down_proj.weight", (d, inner_local))
+                gate_up = Linear(torch.cat([take(state, f"{p}.mlp.{x}_proj.weight", (inner_local, d)) for x in ("gate", "up")]).to(device))  # [2I, d]
+                down = Linear(fetch(f"{p}.mlp.down_proj.weight", (d, inner_local)))
             self.layers.append(
                 Layer(
                     input_norm=fetch(f"{p}.input_layernorm.weight", (d,)),
-                    qkv=qkv.to(device),
-                    qkv_bias=qkv_bias,
-                    o=fetch(f"{p}.self_attn.o_proj.weight", (d, self.heads * hd)),
-                    o_bias=fetch_optional(f"{p}.self_attn.o_proj.bias"),
+                    qkv=Linear(qkv.to(device), qkv_bias),
+                    o=Linear(fetch(f"{p}.self_attn.o_proj.weight", (d, self.heads * hd)), fetch_optional(f"{p}.self_attn.o_proj.bias")),
                     q_norm=fetch_optional(f"{p}.self_attn.q_norm.weight"),
                     k_norm=fetch_optional(f"{p}.self_attn.k_norm.weight"),
                     post_norm=fetch(f"{p}.post_attention_layernorm.weight", (d,)),
-                    gate_up=gate_up.to(device),
-                    down=down.to(device),
+                    gate_up=gate_up,
+                    down=down,
                     router=router,
                 )
             )
@@ -143,6 +141,7 @@ class CausalLM:
             self.lm_head = self.embed
         else:
             self.lm_head = head.to(device)
+        self.head = Linear(self.lm_head)  # what `logits` multiplies by; `lm_head` stays a tensor for the drafter to bind
         cos, sin = rotary_tables(LlamaRotaryEmbedding(config), max(self.max_positions, 1) + TREE_HEADROOM)  # [P, hd]
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
@@ -176,7 +175,7 @@ class CausalLM:
     def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, mask: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         hd = self.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [B, N, (H + 2 KVH) hd]
+        qkv = layer.qkv(x)  # [B, N, (H + 2 KVH) hd]
         q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q = q.view(b, n, self.heads, hd)
         k = k.view(b, n, self.kv_heads, hd)
@@ -188,13 +187,12 @@ class CausalLM:
         q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         out = out.to(x.dtype).transpose(1, 2).reshape(b, n, self.heads * hd)
-        out = self.shard.all_reduce(F.linear(out, layer.o))  # [B, N, d], summed over the ranks' heads
-        return out if layer.o_bias is None else out + layer.o_bias
+        return self.shard.all_reduce(layer.o(out))  # [B, N, d], summed over the ranks' heads
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if layer.router is None:
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            return self.shard.all_reduce(F.linear(self.act(gate) * up, layer.down)), None
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            return self.shard.all_reduce(layer.down(self.act(gate) * up)), None
         flat = x.reshape(-1, x.shape[-1])  # [R, d]
         probs = F.softmax(F.linear(flat, layer.router).float(), dim=-1)  # [R, E]
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [R, top_k]
@@ -228,10 +226,13 @@ class CausalLM:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight tensor (each once), e.g. to count the bytes the model holds."""
-        layer_tensors = [t for layer in self.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-        unique = {id(t): t for t in [self.embed, self.norm, self.lm_head, *layer_tensors]}
+        held = [self.embed, self.norm, self.lm_head, *self.head.tensors()]
+        for layer in self.layers:
+            for value in vars(layer).values():
+                held += value.tensors() if isinstance(value, Linear) else [value] if isinstance(value, torch.Tensor) else []
+        unique = {id(t): t for t in held}
         return list(unique.values())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] final hidden states -> [..., V] float32 logits (every rank of a group takes part)."""
-        return self.shard.gather_last(F.linear(hidden, self.lm_head).float())
+        return self.shard.gather_last(self.head(hidden).float())

@@ -1,0 +1,84 @@
+"""Linear layers for serving: on a CPU, float32 products of a few rows go through oneDNN.
+
+A decoder's rounds multiply a few rows at a time by every weight: one per plain step, 2-8 per
+drafter tree level, 10-40 per verification. For such products the default float32 CPU path (BLAS
+sgemm) is slow, slowest at 2-8 rows; oneDNN with the weight reordered once at load computes the same
+float32 product 2-5x faster there (docs/runtime.md, "Linear layers"). oneDNN builds and caches a
+kernel per row count, so rows are padded up to a few bucket sizes (exact up to 8) to bound that
+cache, and products of more than MAX_PACKED_ROWS rows (prefill, large batches) keep sgemm, which is
+good there. Everywhere else (CUDA, bf16/fp16, a torch without oneDNN) `Linear` is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_PACKED_ROWS = 64
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of `rows` rows runs at: exact up to 8, then 4 sizes per doubling (<= 25% padding)."""
+    if rows <= 8:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in] weight -> a copy reordered for oneDNN where that pays (CPU float32), else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+class Linear:
+    """A frozen weight [out, in] (and bias [out]) for inference, with its oneDNN copy where that pays."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.packed = prepack(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in] -> [..., out]."""
+        rows = x.numel() // x.shape[-1]
+        if self.packed is None or rows > MAX_PACKED_ROWS or rows == 0:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])  # [R, in]
+        padded = row_bucket(rows)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])  # [R', in]
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")  # [R', out]
+        return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this layer holds (weight, bias, packed copy), e.g. to count its bytes."""
+        return [t for t in (self.weight, self.bias, self.packed) if t is not None]
+
+
+class PackedLinear(nn.Module):
+    """A frozen `nn.Linear` for inference: keeps `weight` / `bias` (so state dicts and shapes read the
+    same) and multiplies through `Linear`."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.linear = Linear(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            raise RuntimeError("PackedLinear is for inference: its packed weight does not follow training updates")
+        return self.linear(x)
+
+
+def pack_linears(module: nn.Module) -> nn.Module:
+    """Replace every `nn.Linear` inside `module` (in place) by a `PackedLinear`; for modules that only infer."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child))
+        else:
+            pack_linears(child)
+    return module
