@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_PACKED_ROWS = 32
+MAX_PACKED_ROWS = 64
 
 
 def row_bucket(rows: int) -> int:
