@@ -6,7 +6,8 @@ sgemm) is slow, slowest at 2-8 rows; oneDNN with the weight reordered once at lo
 float32 product 2-5x faster there (docs/runtime.md, "Linear layers"). oneDNN builds and caches a
 kernel per row count, so rows are padded up to a few bucket sizes (exact up to 8) to bound that
 cache. Single rows and products of more than MAX_PACKED_ROWS rows (prefill, large batches) keep
-sgemm, which is as fast or faster there. Everywhere else (CUDA, bf16/fp16, a torch without oneDNN) `Linear` is `F.linear`.
+sgemm, which is as fast or faster there. Everywhere else (CUDA, bf16/fp16, a torch without oneDNN)
+`Linear` is `F.linear`.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ class Layer:
     input_norm: torch.Tensor
     qkv: Linear  # [(H + 2 KVH) hd, d], with the q/k/v biases where the model has them
     o: Linear  # [d, H hd]
+    o_bias: torch.Tensor | None  # [d], added once after the ranks' partial sums
     q_norm: torch.Tensor | None  # [hd] (Qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
@@ -124,7 +125,8 @@ class CausalLM:
                 Layer(
                     input_norm=fetch(f"{p}.input_layernorm.weight", (d,)),
                     qkv=Linear(qkv.to(device), qkv_bias),
-                    o=Linear(fetch(f"{p}.self_attn.o_proj.weight", (d, self.heads * hd)), fetch_optional(f"{p}.self_attn.o_proj.bias")),
+                    o=Linear(fetch(f"{p}.self_attn.o_proj.weight", (d, self.heads * hd))),
+                    o_bias=fetch_optional(f"{p}.self_attn.o_proj.bias"),
                     q_norm=fetch_optional(f"{p}.self_attn.q_norm.weight"),
                     k_norm=fetch_optional(f"{p}.self_attn.k_norm.weight"),
                     post_norm=fetch(f"{p}.post_attention_layernorm.weight", (d,)),
@@ -187,7 +189,8 @@ class CausalLM:
         q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         out = out.to(x.dtype).transpose(1, 2).reshape(b, n, self.heads * hd)
-        return self.shard.all_reduce(layer.o(out))  # [B, N, d], summed over the ranks' heads
+        out = self.shard.all_reduce(layer.o(out))  # [B, N, d], summed over the ranks' heads
+        return out if layer.o_bias is None else out + layer.o_bias
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if layer.router is None:
