@@ -5,9 +5,9 @@ drafter tree level, 10-40 per verification. For such products the default float3
 sgemm) is slow, slowest at 2-8 rows; oneDNN with the weight reordered once at load computes the same
 float32 product 2-5x faster there (docs/runtime.md, "Linear layers"). oneDNN builds and caches a
 kernel per row count, so rows are padded up to a few bucket sizes (exact up to 8) to bound that
-cache. Single rows and products of more than MAX_PACKED_ROWS rows (prefill, large batches) keep
-sgemm, which is as fast or faster there. Everywhere else (CUDA, bf16/fp16, a torch without oneDNN)
-`Linear` is `F.linear`.
+cache. Single rows go through oneDNN too, so that decoding reads one copy of the weights; products
+of more than MAX_PACKED_ROWS rows (prefill, large batches) keep sgemm, which is good there.
+Everywhere else (CUDA, bf16/fp16, a torch without oneDNN) `Linear` is `F.linear`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]."""
         rows = x.numel() // x.shape[-1]
-        if self.packed is None or not 2 <= rows <= MAX_PACKED_ROWS:
+        if self.packed is None or not 0 < rows <= MAX_PACKED_ROWS:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])  # [R, in]
         padded = row_bucket(rows)
