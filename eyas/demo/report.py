@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..engine import Engine
 from ..train.plots import plot_lm_curves
@@ -174,16 +174,17 @@ def main() -> None:
                         help="time the speed section again and keep the acceptance tables of report.json")
     args = parser.parse_args()
     previous = Path(args.root) / "report.json"
-    if args.speed_only and not previous.exists():
-        parser.error(f"--speed-only: {previous} does not exist (run the whole report first)")
+    stored = json.loads(previous.read_text()) if previous.exists() else {}
     if args.speed_only:
-        results = json.loads(previous.read_text())["results"]
-        engine = Engine.from_pretrained(Path(args.root) / DRAFTER_TARGETS[SPEED_DRAFTER], Path(args.root) / SPEED_DRAFTER)
-        prompts = [p.text for p in heldout_prompts(engine.target.tokenizer, args.prompts)]
+        if not stored:
+            parser.error(f"--speed-only: {previous} does not exist (run the whole report first)")
+        results = stored["results"]
+        tokenizer = AutoTokenizer.from_pretrained(Path(args.root) / DRAFTER_TARGETS[SPEED_DRAFTER])
+        prompts = [p.text for p in heldout_prompts(tokenizer, args.prompts)]
         results[SPEED_DRAFTER]["speed"] = speed(Path(args.root), SPEED_DRAFTER, prompts, args.max_new_tokens)
     else:
         results = measure(args.root, args.prompts, args.max_new_tokens)
-    training = json.loads(previous.read_text())["training"] if previous.exists() else {}
+    training = stored["training"] if stored else {}
     print(write_report(args.root, results, args.prompts, args.max_new_tokens, training).read_text())
 
 

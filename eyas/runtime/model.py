@@ -230,9 +230,11 @@ class CausalLM:
     def tensors(self) -> list[torch.Tensor]:
         """Every weight tensor (each once), e.g. to count the bytes the model holds."""
         held = [self.embed, self.norm, self.lm_head, *self.head.tensors()]
-        for layer in self.layers:
-            for value in vars(layer).values():
-                held += value.tensors() if isinstance(value, Linear) else [value] if isinstance(value, torch.Tensor) else []
+        for value in (v for layer in self.layers for v in vars(layer).values()):
+            if isinstance(value, Linear):
+                held += value.tensors()
+            elif isinstance(value, torch.Tensor):
+                held.append(value)
         unique = {id(t): t for t in held}
         return list(unique.values())
 
