@@ -16,7 +16,7 @@ def test_linear_equals_f_linear_at_every_row_count(bias):
     b = torch.randn(96, generator=g) if bias else None
     layer = Linear(weight, b)
     assert layer.packed is not None or not torch.backends.mkldnn.is_available()
-    for rows in [0, 1, 2, 3, 5, 8, 9, 13, 21, 33, 63, 64, 65, 130]:
+    for rows in [0, 1, 2, 3, 5, 8, 9, 13, 21, 33, 63, 64, 65, 72, 127, 128, 129, 130]:
         x = torch.randn(1, rows, 48, generator=g)
         out = layer(x)
         assert out.shape == (1, rows, 96)
@@ -27,7 +27,7 @@ def test_row_buckets_pad_little_and_stay_few():
     buckets = {row_bucket(r) for r in range(1, MAX_PACKED_ROWS + 1)}
     assert all(row_bucket(r) == r for r in range(1, 9))
     assert all(r <= row_bucket(r) <= 1.25 * r for r in range(1, 4097))
-    assert len(buckets) <= 20
+    assert len(buckets) <= 24
 
 
 def test_packed_linear_serves_and_refuses_training():

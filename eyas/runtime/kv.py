@@ -121,6 +121,11 @@ class SlotBatch:
             contiguous = self.slots == list(range(first, first + len(self.slots)))
             self._read = slice(first, first + len(self.slots)) if contiguous else torch.tensor(self.slots, device=device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype attention runs in over this KV."""
+        return self.pool.kv.dtype
+
     def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows' k, v [B, kv_heads, N, hd] (pads skipped) -> keys, values [B, kv_heads, key_len, hd]."""
         pool = self.pool.kv[layer]  # [2, S, kv_heads, T, hd]
@@ -136,6 +141,8 @@ class SlotBatch:
 
 class PassThroughKV:
     """KV for a cache-free forward (training's teacher): attention reads exactly the rows being run."""
+
+    dtype = None  # attention runs in the model's dtype
 
     def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v

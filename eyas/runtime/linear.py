@@ -6,7 +6,7 @@ sgemm) is slow, slowest at 2-8 rows; oneDNN with the weight reordered once at lo
 float32 product 2-5x faster there (docs/runtime.md, "Linear layers"). oneDNN builds and caches a
 kernel per row count, so rows are padded up to a few bucket sizes (exact up to 8) to bound that
 cache. Single rows go through oneDNN too, so that decoding reads one copy of the weights; products
-of more than MAX_PACKED_ROWS rows (prefill, large batches) keep sgemm, which is good there.
+of more than MAX_PACKED_ROWS rows (prefill) keep sgemm, which is as good there.
 Everywhere else (CUDA, bf16/fp16, a torch without oneDNN) `Linear` is `F.linear`.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_PACKED_ROWS = 64
+MAX_PACKED_ROWS = 128
 
 
 def row_bucket(rows: int) -> int:

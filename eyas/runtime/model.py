@@ -31,17 +31,22 @@ from .weights import WeightsError, load_state, router_name, take, take_experts, 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32, scale in the input dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in float32, scale in the input dtype. In float32 this is torch's fused
+    kernel (one operator, bitwise equal to the composite below, which other dtypes keep)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     normed = x.float()
-    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    normed = (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [..., hd] with the half-split convention of Llama checkpoints."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [..., hd] with the half-split convention of Llama checkpoints: x cos + rotate_half(x) sin, where
+    rotate_half(x) = [-x2, x1]; `signed_sin` = [-sin1, sin2] carries the sign, so [x2, x1] * signed_sin is the
+    same product (negation is exact)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
 
 
 @dataclass
@@ -52,8 +57,7 @@ class Layer:
     qkv: Linear  # [(H + 2 KVH) hd, d], with the q/k/v biases where the model has them
     o: Linear  # [d, H hd]
     o_bias: torch.Tensor | None  # [d], added once after the ranks' partial sums
-    q_norm: torch.Tensor | None  # [hd] (Qwen3)
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [H + KVH, hd]: Qwen3's q_norm on every q head, k_norm on every k head
     post_norm: torch.Tensor
     gate_up: Linear | torch.Tensor  # dense [2I, d], or experts [E, 2I, d] (sliced per call)
     down: Linear | torch.Tensor  # dense [d, I], or experts [E, d, I]
@@ -127,8 +131,7 @@ class CausalLM:
                     qkv=Linear(qkv.to(device), qkv_bias),
                     o=Linear(fetch(f"{p}.self_attn.o_proj.weight", (d, self.heads * hd))),
                     o_bias=fetch_optional(f"{p}.self_attn.o_proj.bias"),
-                    q_norm=fetch_optional(f"{p}.self_attn.q_norm.weight"),
-                    k_norm=fetch_optional(f"{p}.self_attn.k_norm.weight"),
+                    qk_norm=self._qk_norm(fetch_optional(f"{p}.self_attn.q_norm.weight"), fetch_optional(f"{p}.self_attn.k_norm.weight")),
                     post_norm=fetch(f"{p}.post_attention_layernorm.weight", (d,)),
                     gate_up=gate_up,
                     down=down,
@@ -145,7 +148,16 @@ class CausalLM:
             self.lm_head = head.to(device)
         self.head = Linear(self.lm_head)  # what `logits` multiplies by; `lm_head` stays a tensor for the drafter to bind
         cos, sin = rotary_tables(LlamaRotaryEmbedding(config), max(self.max_positions, 1) + TREE_HEADROOM)  # [P, hd]
-        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        sin[:, : hd // 2] = -sin[:, : hd // 2]  # signed for `rotate`
+        self.cos, self.signed_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    def _qk_norm(self, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None) -> torch.Tensor | None:
+        """Qwen3's q and k norm weights [hd] laid out over the q and k heads [H + KVH, hd], so one product scales both."""
+        if q_norm is None and k_norm is None:
+            return None
+        if q_norm is None or k_norm is None:
+            raise WeightsError("q_norm and k_norm come together: one of them is missing")
+        return torch.cat([q_norm.expand(self.heads, -1), k_norm.expand(self.kv_heads, -1)])
 
     @classmethod
     def from_pretrained(
@@ -174,21 +186,22 @@ class CausalLM:
             raise ValueError("hybrid sliding/full attention layers are not supported by tree verification")
         return int(window)
 
-    def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, mask: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, bias: torch.Tensor) -> torch.Tensor:
+        """x [B, N, d] normed; cos, sin [B, N, 1, hd]; bias [B, 1, N, K] additive, in the KV's dtype -> [B, N, d]."""
         b, n, _ = x.shape
-        hd = self.head_dim
-        qkv = layer.qkv(x)  # [B, N, (H + 2 KVH) hd]
-        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q = q.view(b, n, self.heads, hd)
-        k = k.view(b, n, self.kv_heads, hd)
-        if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
-        q = rotate(q.transpose(1, 2), cos, sin)  # [B, H, N, hd]
-        k = rotate(k.transpose(1, 2), cos, sin)  # [B, KVH, N, hd]
-        keys, values = kv.append(k, v.view(b, n, self.kv_heads, hd).transpose(1, 2), index)  # [B, KVH, K, hd]
-        q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
-        out = out.to(x.dtype).transpose(1, 2).reshape(b, n, self.heads * hd)
+        heads, kv_heads = self.heads, self.kv_heads
+        qkv = layer.qkv(x).view(b, n, heads + 2 * kv_heads, self.head_dim)  # [B, N, H + 2 KVH, hd]
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # q and k rotate together
+        if layer.qk_norm is not None:
+            qk = rms_norm(qk, None, self.eps) * layer.qk_norm
+        q, k = rotate(qk, cos, sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
+        keys, values = kv.append(k, v.transpose(1, 2), index)  # [B, KVH, K, hd]
+        if q.dtype != keys.dtype:
+            q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        out = out.transpose(1, 2).reshape(b, n, heads * self.head_dim)
         out = self.shard.all_reduce(layer.o(out))  # [B, N, d], summed over the ranks' heads
         return out if layer.o_bias is None else out + layer.o_bias
 
@@ -215,12 +228,13 @@ class CausalLM:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor, taps: tuple[int, ...] = ()) -> ForwardOut:
         """tokens, positions [B, N]; mask [B, 1, N, K] bool over the K slot positions `kv` reads."""
         x = self.shard.embed(tokens, self.embed)  # [B, N, d]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, N, hd]
+        cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]  # [B, N, 1, hd]
+        bias = torch.zeros(mask.shape, dtype=kv.dtype or self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         tapped, routed = [], []
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped.append(x)
-            x = x + self.attention(layer, index, rms_norm(x, layer.input_norm, self.eps), cos, sin, kv, mask)
+            x = x + self.attention(layer, index, rms_norm(x, layer.input_norm, self.eps), cos, sin, kv, bias)
             y, chosen = self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
             x = x + y
             if chosen is not None:

@@ -67,6 +67,8 @@ class Shard:
     def embed(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Embedding lookup over a vocabulary-split table [V / size, d]: rows outside this rank's span are
         zero before the all-reduce, so every rank ends with the full [B, N, d] embeddings."""
+        if self.size == 1:
+            return torch.nn.functional.embedding(tokens, table)
         local = tokens - self.span(table.shape[0] * self.size).start
         inside = (local >= 0) & (local < table.shape[0])
         x = torch.nn.functional.embedding(local.clamp(0, table.shape[0] - 1), table) * inside[..., None].to(table.dtype)
