@@ -169,9 +169,10 @@ def test_vllm_acceptance_matches_eyas_chain(demo: Path, prompts, vllm_runs, draf
 
 
 def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(demo: Path, prompts, vllm_runs, exported):
-    """One EAGLE-1 engine kept up (as eyas bench keeps one per configuration) serves greedy runs, a sampled run
-    and a bad run in turn: greedy output equals the one-shot engine's before and after, sampled runs sample, and
-    the bad run is refused with vLLM's reason while the engine stays up."""
+    """One EAGLE-1 engine kept up (as eyas bench keeps one per configuration) serves greedy runs, a sampled run,
+    a bad run and a concurrent run in turn: greedy output equals the one-shot engine's before and after, sampled
+    runs sample, the bad run is refused with vLLM's reason while the engine stays up, and a concurrent run
+    answers every prompt, timed together."""
     e = exported["eagle1"]
     engine = {"target": str(demo / "target"), "drafter": str(e.path), "method": e.method,
               "num_speculative_tokens": SPECULATIVE_TOKENS, "enforce_eager": True}
@@ -183,9 +184,14 @@ def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(demo: Path, promp
         with pytest.raises(VllmEnvError, match="vLLM run failed"):
             session.run({"prompts": prompts[:1]})  # no max_new_tokens
         again = session.run(greedy)
+        together = session.run({**greedy, "concurrent": True})
     one_shot = [r["token_ids"] for r in vllm_runs["eagle1"]["results"]]
     assert [r["token_ids"] for r in first["results"]] == one_shot == [r["token_ids"] for r in again["results"]]
     assert first["spec"]["drafts"] > 0 and first["spec"]["accepted_tokens"] > 0
+    # all prompts submitted at once (vLLM batches them) are timed together
+    assert len(together["results"]) == len(prompts) and together["spec"]["drafts"] > 0
+    assert {r["seconds"] for r in together["results"]} == {together["total_seconds"]}
+    assert together["total_tokens"] == sum(len(r["token_ids"]) for r in together["results"]) > 0
     # each run takes its own temperature on the same engine (vLLM's seeded sampling is not reproducible under its
     # speculation, so the two sampled runs are not compared with each other)
     assert all([r["token_ids"] for r in draw] != one_shot for draw in draws)

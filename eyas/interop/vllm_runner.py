@@ -9,14 +9,16 @@ plus a run's. Engine fields: target, and optionally drafter + num_speculative_to
 gpu_memory_utilization, engine_args (more LLM(...) keyword arguments, e.g. max_model_len). Run fields:
 prompts (lists of token ids), max_new_tokens, and optionally temperature (0 = greedy), seed,
 stop_token_ids (vLLM is run without a tokenizer, so it stops only at these), warmup (short generations
-before timing; default 1 in a one-shot job, 0 in a served run).
+before timing; default 1 in a one-shot job, 0 in a served run), concurrent (submit every prompt at once,
+so vLLM batches them, and time them together; default false).
 
 Served: one engine is built from ENGINE.json and kept; each line of stdin is a run (JSON) and each line of
 stdout its result (JSON), the first line being {"ready": ...} once the engine is up, and a failed run
 answering {"error": ...}. vLLM's own output goes to stderr.
 
-Prompts run one at a time (batch 1) and are timed each; the acceptance counters are vLLM's own metrics,
-and mean_accept_length is 1 + accepted / drafts.
+Prompts run one at a time (batch 1) and are timed each, or, with concurrent, all at once and timed together
+(each result then carries the common wall time); the acceptance counters are vLLM's own metrics, and
+mean_accept_length is 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def build_llm(job: dict):
 
 
 def generate(llm, run: dict, warmup: int) -> dict:
-    """Generate every prompt of a run one at a time and collect outputs, timings and acceptance counters."""
+    """Generate every prompt of a run (one at a time, or all at once when the run says concurrent) and collect
+    outputs, timings and acceptance counters."""
     from vllm import SamplingParams, TokensPrompt
 
     prompts = [[int(t) for t in p] for p in run["prompts"]]
@@ -112,6 +115,21 @@ def generate(llm, run: dict, warmup: int) -> dict:
         llm.generate([TokensPrompt(prompt_token_ids=prompts[i % len(prompts)])], params(i, 8), use_tqdm=False)
 
     results, total_before = [], read_counters(llm)
+    if run.get("concurrent"):
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], [params(i, max_new_tokens) for i in range(len(prompts))], use_tqdm=False
+        )
+        seconds = time.perf_counter() - t0
+        tokens = [list(out.outputs[0].token_ids) for out in outs]
+        total_tokens = sum(len(t) for t in tokens)
+        return {
+            "results": [{"token_ids": t, "seconds": seconds} for t in tokens],
+            "total_seconds": seconds,
+            "total_tokens": total_tokens,
+            "tokens_per_s": total_tokens / seconds,
+            "spec": counter_delta(read_counters(llm), total_before),
+        }
     for i, prompt in enumerate(prompts):
         before = read_counters(llm)
         t0 = time.perf_counter()
