@@ -45,6 +45,19 @@ def grid() -> list[TreePolicy]:
     return policies
 
 
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y over x, both kept nonnegative; a flat line where x does not vary."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread) if spread else 0.0
+    intercept = mean_y - slope * mean_x
+    if intercept < 0.0:  # through the origin instead
+        intercept, slope = 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return intercept, slope
+
+
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through measured points, extended linearly past the last one."""
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
@@ -55,7 +68,8 @@ def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
 
 @dataclass
 class Costs:
-    """Seconds per target verification by rows, per drafter step by rows, and per round outside the models."""
+    """Seconds per target verification by rows, per drafter step by rows, and outside the models: tree bookkeeping
+    per depth, and the rest of a round per round and per verified row (deciding a tree costs by its rows)."""
 
     verify_rows: list[int]
     verify_seconds: list[float]
@@ -63,6 +77,7 @@ class Costs:
     draft_seconds: list[float]
     overhead_per_depth: float = 0.0
     overhead_per_round: float = 0.0
+    overhead_per_row: float = 0.0
 
     def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Drafter steps (seed rows, then one step of width rows per further depth) plus one verification, each one
@@ -75,7 +90,7 @@ class Costs:
     def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
         `concurrent` requests stepping together (their bookkeeping takes turns)."""
-        overhead = policy.depth * self.overhead_per_depth + self.overhead_per_round
+        overhead = policy.depth * self.overhead_per_depth + self.overhead_per_round + (policy.budget + 1) * self.overhead_per_row
         return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead
 
 
@@ -251,15 +266,18 @@ class TreeTuner:
 
     def _calibrate(self, record: RoundRecord, concurrent: int) -> None:
         """Learn the time exploration rounds spend outside model forwards: tree bookkeeping per depth, the rest per
-        round. Requests stepping together take turns at it, so a round's share is its time over `concurrent`."""
+        round and per verified row (fitted over the chain and wide exploration rounds, whose rows differ: a wide
+        tree's rest costs several times a chain's, so one per-round figure would overcharge small trees). Requests
+        stepping together take turns at it, so a round's share is its time over `concurrent`."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
         model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, concurrent)
         tree = seconds.get("tree", 0.0)
-        self.overheads.append((tree / policy.depth, max(0.0, observed - model - concurrent * tree) / concurrent))
-        self.costs.overhead_per_depth = sum(d for d, _ in self.overheads) / len(self.overheads)
-        self.costs.overhead_per_round = sum(r for _, r in self.overheads) / len(self.overheads)
+        rest = max(0.0, observed - model - concurrent * tree) / concurrent
+        self.overheads.append((tree / policy.depth, policy.budget + 1, rest))
+        self.costs.overhead_per_depth = sum(d for d, _, _ in self.overheads) / len(self.overheads)
+        self.costs.overhead_per_round, self.costs.overhead_per_row = fit_line([(rows, r) for _, rows, r in self.overheads])
 
     def rounds_for(self, policy: TreePolicy) -> deque:
         """Explored rounds that measure `policy`: the chain rounds for a chain, the wide-tree rounds otherwise."""
