@@ -15,6 +15,7 @@ while, the tuner explores again.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,8 +46,13 @@ def grid() -> list[TreePolicy]:
     return policies
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y over x, both kept nonnegative; a flat line where x does not vary."""
+def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of y over x, both nonnegative: least squares through the median y of each x, so that the
+    odd slow round (a warm-up, a batch-mate's prefill) does not move it; a flat line where x does not vary."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in samples:
+        by_x.setdefault(x, []).append(y)
+    points = [(x, statistics.median(ys)) for x, ys in by_x.items()]
     n = len(points)
     mean_x = sum(x for x, _ in points) / n
     mean_y = sum(y for _, y in points) / n

@@ -7,7 +7,7 @@ from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
-from eyas.autotree import EXPLORE, EXPLORE_CHAIN, Costs, TreeTuner, expected_accepted, grid
+from eyas.autotree import EXPLORE, EXPLORE_CHAIN, Costs, TreeTuner, expected_accepted, fit_line, grid
 from eyas.drafters import drafter_config
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
@@ -99,3 +99,14 @@ def test_exploration_alternates_a_deep_chain_and_scores_chains_on_it(engine):
         chain = TreePolicy(1, depth, depth)
         expected = sum(min(r.decision.num_accepted, depth) for r in chains) / len(chains)
         assert tuner.score(chain)[0] == 1.0 + expected
+
+
+def test_bookkeeping_is_fitted_over_rows_through_medians():
+    """A chain's and a wide tree's bookkeeping give a line over rows; one slow round (a warm-up) does not move it."""
+    chain, wide = [(9, 0.002)] * 4 + [(9, 0.040)], [(65, 0.009)] * 4 + [(65, 0.0)]
+    intercept, slope = fit_line(chain + wide)
+    assert slope == pytest.approx(0.007 / 56) and intercept == pytest.approx(0.002 - 9 * 0.007 / 56)
+    assert fit_line([(9, 0.002), (9, 0.004)]) == (pytest.approx(0.003), 0.0)  # one row count: a flat line
+    intercept, slope = fit_line([(9, 0.0), (65, 0.010)])  # a negative intercept: through the origin
+    assert intercept == 0.0 and slope > 0.0
+    assert fit_line([(9, 0.004), (65, 0.001)]) == (pytest.approx(0.0025), 0.0)  # never a negative slope
