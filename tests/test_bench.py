@@ -58,8 +58,9 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     scaling = context_scaling(engine, hf, [list(range(5, 15))], [list(range(5, 85))], max_new_tokens=6, repeats=2)
     assert scaling["short"]["context"] == 10 and scaling["long"]["context"] == 80
     assert scaling["goal_met"] == (scaling["round_ratio"] <= scaling["plain_step_ratio"])
-    batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6)
+    batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6, trees=("1,2,2",))
     assert batch["identical_outputs"] and batch["requests"] == 3 and batch["batch_tokens_per_s"] > 0
+    assert batch["batch_tree_1/2/2"]["identical_outputs"] and batch["batch_tree_1/2/2"]["batch_tokens_per_s"] > 0
     assert engine.target.pool.free_slots == engine.target.pool.slots
 
 

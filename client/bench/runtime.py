@@ -130,22 +130,33 @@ def context_scaling(
     return result
 
 
-def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """Aggregate tokens/s of `generate_batch` over the prompts against the same prompts one at a time."""
+def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, trees: tuple[str, ...] = ()) -> dict:
+    """Aggregate tokens/s of `generate_batch` over the prompts against the same prompts one at a time (both with the
+    engine's tree); then the batch again with each fixed tree of `trees` ("width,depth,budget")."""
     start = time.perf_counter()
     alone = [engine.generate(p, max_new_tokens=max_new_tokens, stop_at_eos=False) for p in prompts]
-    alone_s = time.perf_counter() - start
-    start = time.perf_counter()
-    together = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False)
-    batch_s = time.perf_counter() - start
-    tokens = sum(len(g.token_ids) for g in together)
-    return {
+    alone_rate = sum(len(g.token_ids) for g in alone) / (time.perf_counter() - start)
+
+    def batch(tree: dict | None) -> tuple[float, bool]:
+        start = time.perf_counter()
+        together = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
+        rate = sum(len(g.token_ids) for g in together) / (time.perf_counter() - start)
+        return rate, [g.token_ids for g in alone] == [g.token_ids for g in together]
+
+    rate, identical = batch(None)
+    record = {
         "requests": len(prompts),
-        "one_at_a_time_tokens_per_s": sum(len(g.token_ids) for g in alone) / alone_s,
-        "batch_tokens_per_s": tokens / batch_s,
-        "batch_over_one_at_a_time": (tokens / batch_s) / (sum(len(g.token_ids) for g in alone) / alone_s),
-        "identical_outputs": [g.token_ids for g in alone] == [g.token_ids for g in together],
+        "one_at_a_time_tokens_per_s": alone_rate,
+        "batch_tokens_per_s": rate,
+        "batch_over_one_at_a_time": rate / alone_rate,
+        "identical_outputs": identical,
     }
+    for tree in trees:
+        rate, identical = batch(dict(zip(("width", "depth", "budget"), map(int, tree.split(",")))))
+        record[f"batch_tree_{tree.replace(',', '/')}"] = {
+            "batch_tokens_per_s": rate, "batch_over_one_at_a_time": rate / alone_rate, "identical_outputs": identical
+        }
+    return record
 
 
 AHEAD_TREES = ({"width": 1, "depth": 8, "budget": 8}, {"width": 8, "depth": 5, "budget": 32})
@@ -198,7 +209,7 @@ def run(args) -> dict:
             args.max_new_tokens,
             args.repeats,
         ),
-        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens),
+        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees)),
     }
     if args.draft_ahead:
         record["draft_ahead"] = draft_ahead(target, drafter, suite.prompts[: args.batch], args.draft_ahead, args.max_new_tokens, args.dtype)
