@@ -104,7 +104,7 @@ def test_rejected_messages_change_no_state_and_a_valid_round_follows(engine, ses
     assert_same(before, after)
     assert request.output == [] and request.version == 0
 
-    verification = target.verify(bad, 0, request.sampling)
+    target.verify(bad, 0, request.sampling)
     with pytest.raises(ValueError, match="accepted_rows"):
         target.commit(0, (1, 2))  # not a path starting at the root
     assert target.committed == before[0] and target.version == 0
