@@ -30,6 +30,7 @@ from .tree import DraftTree, TreePolicy
 
 EXPLORE = TreePolicy(width=8, depth=8, budget=64)
 EXPLORE_CHAIN = TreePolicy(width=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
+LOCKSTEP_ROUNDS = 8  # rounds at a concurrency before its lockstep cost per level counts (and the choice is redone)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65, 128, 256)  # past 65: several requests' trees in one forward
@@ -84,20 +85,29 @@ class Costs:
     overhead_per_depth: float = 0.0
     overhead_per_round: float = 0.0
     overhead_per_row: float = 0.0
+    lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
+
+    def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
+        """Drafter steps (seed rows, then one step of width rows per further depth), each one forward over the rows
+        of `concurrent` requests."""
+        if not policy.depth:
+            return 0.0
+        n = concurrent
+        draft = _interpolate(self.draft_rows, self.draft_seconds, n * seed_rows)
+        return draft + max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, n * policy.width)
 
     def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
-        """Drafter steps (seed rows, then one step of width rows per further depth) plus one verification, each one
-        forward over the rows of `concurrent` requests."""
-        n = concurrent
-        draft = _interpolate(self.draft_rows, self.draft_seconds, n * seed_rows) if policy.depth else 0.0
-        draft += max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, n * policy.width)
-        return draft + _interpolate(self.verify_rows, self.verify_seconds, n * (policy.budget + 1))
+        """The drafter steps plus one verification, each one forward over the rows of `concurrent` requests."""
+        verify = _interpolate(self.verify_rows, self.verify_seconds, concurrent * (policy.budget + 1))
+        return self.draft_seconds_for(policy, seed_rows, concurrent) + verify
 
     def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
-        `concurrent` requests stepping together (their bookkeeping takes turns)."""
+        `concurrent` requests stepping together (their bookkeeping takes turns, and each drafting level costs the
+        lockstep what was measured at that concurrency)."""
         overhead = policy.depth * self.overhead_per_depth + self.overhead_per_round + (policy.budget + 1) * self.overhead_per_row
-        return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead
+        lockstep = policy.depth * self.lockstep_per_level.get(concurrent, 0.0)
+        return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead + lockstep
 
 
 @torch.no_grad()
@@ -212,6 +222,7 @@ class TreeTuner:
     explored_chains: deque = field(default_factory=lambda: deque(maxlen=32))  # the same for EXPLORE_CHAIN rounds
     realised: deque = field(default_factory=lambda: deque(maxlen=48))  # (tokens, predicted tokens) per round
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))
+    levels: dict[int, deque] = field(default_factory=dict)  # concurrency -> drafting seconds per level beyond the model
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0
     since_choice: int = 0
@@ -240,6 +251,7 @@ class TreeTuner:
     def observe(self, record: RoundRecord, concurrent: int = 1) -> None:
         """Fold in one finished round (run beside `concurrent - 1` others); re-choose after exploring, explore again
         on drift or after a while."""
+        self._measure_lockstep(record, concurrent)
         if self.exploring:
             if record.draft_tree is not None and record.row_probs is not None:
                 accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
@@ -279,11 +291,32 @@ class TreeTuner:
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
         model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, concurrent)
+        model += policy.depth * self.costs.lockstep_per_level.get(concurrent, 0.0)
         tree = seconds.get("tree", 0.0)
         rest = max(0.0, observed - model - concurrent * tree) / concurrent
         self.overheads.append((tree / policy.depth, policy.budget + 1, rest))
         self.costs.overhead_per_depth = sum(d for d, _, _ in self.overheads) / len(self.overheads)
         self.costs.overhead_per_round, self.costs.overhead_per_row = fit_line([(rows, r) for _, rows, r in self.overheads])
+
+    def _measure_lockstep(self, record: RoundRecord, concurrent: int) -> None:
+        """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: a level of a
+        lone request carries its own bookkeeping (already in the overheads), a level of n requests in lockstep the
+        bookkeeping of all n plus their hand-offs, which grows faster than n times one request's. The extra, per
+        concurrency, is the median over that concurrency's rounds less n times the lone one (0 before any lone
+        round); once a concurrency has
+        enough rounds its choice is made again with it."""
+        policy = record.policy
+        if policy is None or not policy.depth or "draft" not in record.seconds:
+            return
+        model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent)
+        samples = self.levels.setdefault(concurrent, deque(maxlen=64))
+        samples.append(max(0.0, record.seconds["draft"] - model) / policy.depth)
+        if concurrent == 1 or len(samples) < LOCKSTEP_ROUNDS:
+            return
+        alone = statistics.median(self.levels[1]) if 1 in self.levels else 0.0
+        self.costs.lockstep_per_level[concurrent] = max(0.0, statistics.median(samples) - concurrent * alone)
+        if len(samples) == LOCKSTEP_ROUNDS and not self.exploring and (self.explored or self.explored_chains):
+            self.choose(concurrent)
 
     def rounds_for(self, policy: TreePolicy) -> deque:
         """Explored rounds that measure `policy`: the chain rounds for a chain, the wide-tree rounds otherwise."""

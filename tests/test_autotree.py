@@ -1,5 +1,8 @@
 """Hardware-aware trees: replaying a smaller policy on an exploration tree predicts what that policy accepts."""
 
+from collections import deque
+from dataclasses import replace
+
 import pytest
 import torch
 from tests.helpers.oracle import OracleDrafter
@@ -7,7 +10,7 @@ from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
-from eyas.autotree import EXPLORE, EXPLORE_CHAIN, Costs, TreeTuner, expected_accepted, fit_line, grid
+from eyas.autotree import EXPLORE, EXPLORE_CHAIN, LOCKSTEP_ROUNDS, Costs, TreeTuner, expected_accepted, fit_line, grid
 from eyas.drafters import drafter_config
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
@@ -110,3 +113,33 @@ def test_bookkeeping_is_fitted_over_rows_through_medians():
     intercept, slope = fit_line([(9, 0.0), (65, 0.010)])  # a negative intercept: through the origin
     assert intercept == 0.0 and slope > 0.0
     assert fit_line([(9, 0.004), (65, 0.001)]) == (pytest.approx(0.0025), 0.0)  # never a negative slope
+
+
+def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engine):
+    """Rounds of 8 requests whose drafting levels cost far more than the drafter's forwards (their lockstep):
+    after LOCKSTEP_ROUNDS of them the tuner charges each level that extra at 8 and drafts shallower there;
+    a lone request's choice does not move."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
+    second_choice = OracleDrafter(engine.drafter.config, engine.drafter.reference, rank=lambda p: 1)  # deep trees pay
+    rounds = []
+    saved = engine.tree, engine._tuner, engine.drafter
+    engine.tree, engine._tuner, engine.drafter = "auto", tuner, second_choice
+    try:
+        engine.generate(PROMPT, max_new_tokens=30, on_round=rounds.append)
+    finally:
+        engine.tree, engine._tuner, engine.drafter = saved
+    # this machine's bookkeeping out of the way: the costs alone decide, and a lone level is known to cost 1 ms
+    tuner.costs.overhead_per_depth = tuner.costs.overhead_per_round = tuner.costs.overhead_per_row = 0.0
+    tuner.levels[1] = deque([0.001] * LOCKSTEP_ROUNDS)
+    tuner.choices.clear()
+    alone, deep = tuner.choice(1).policy, tuner.choice(8).policy
+    assert deep.depth > 1
+    last = rounds[-1]
+    model = tuner.costs.draft_seconds_for(deep, last.decision.num_accepted + 1, 8)
+    slow = replace(last, policy=deep, seconds={**last.seconds, "draft": model + deep.depth * 0.050})
+    for _ in range(LOCKSTEP_ROUNDS - 1):
+        tuner.observe(slow, 8)
+    assert 8 not in tuner.costs.lockstep_per_level and tuner.choice(8).policy == deep
+    tuner.observe(slow, 8)
+    assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050 - 8 * 0.001)
+    assert tuner.choice(8).policy.depth < deep.depth and tuner.choice(1).policy == alone
