@@ -214,6 +214,13 @@ def best_vllm_k(suite: Suite, drafter: Path, method: str, prompts: list[list[int
     return best, scan
 
 
+def export_eagle1_for_vllm(drafter: Path, target: Path) -> Path:
+    """The EAGLE-1 drafter exported for vLLM's EAGLE beside it (where its k scan is kept too); returns the directory."""
+    exported = Path(drafter).parent / ".vllm-export-eagle1"
+    export_for_vllm(drafter, exported, target)
+    return exported
+
+
 def choose_vllm_k(exported: Path, k: int | None) -> tuple[int, str]:
     """vLLM EAGLE's k without a scan: the one given, else the last scan's best, else DEFAULT_VLLM_K; and whence."""
     if k is not None:
@@ -271,8 +278,7 @@ def run_bench(
         for t in temperatures:
             runners[("vllm", "", t)] = plain.run
     if "vllm-eagle" in systems and "eagle1" in suite.drafters:
-        exported = Path(suite.drafters["eagle1"]).parent / ".vllm-export-eagle1"
-        export_for_vllm(suite.drafters["eagle1"], exported, suite.target)
+        exported = export_eagle1_for_vllm(suite.drafters["eagle1"], suite.target)
         if vllm_k_scan:
             k, scan = best_vllm_k(suite, exported, "eagle", suite.prompts[: max(4, len(suite.prompts) // 6)], max_new_tokens, seed, dtype)
             extra["vllm_eagle_k_scan_tokens_per_s"] = scan

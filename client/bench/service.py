@@ -27,10 +27,9 @@ from eyas.assets import demo_model
 from eyas.client.client import Client
 from eyas.cluster.service import Service
 from eyas.engine import Engine
-from eyas.interop.vllm_export import export_for_vllm
 
 from .harness import prompts_for
-from .peers import VllmRunner, choose_vllm_k
+from .peers import VllmRunner, choose_vllm_k, export_eagle1_for_vllm
 
 ENGINE_PHASES = ("draft", "tree", "verify", "publish")
 SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "batch", "coordinator")
@@ -136,8 +135,7 @@ def vllm_eagle(target: str, prompts: list[list[int]], max_new_tokens: int, k: in
     if Path(target).resolve() != Path(demo_model("target")).resolve():
         raise ValueError("--vllm-eagle: vLLM's EAGLE runs the demo EAGLE-1 drafter, so the target must be the demo target")
     drafter = Path(demo_model("eagle1"))
-    exported = drafter.parent / ".vllm-export-eagle1"
-    export_for_vllm(drafter, exported, target)
+    exported = export_eagle1_for_vllm(drafter, Path(target))
     k, source = choose_vllm_k(exported, k)
     runner = VllmRunner(Path(target), "float32", exported, "eagle", k)
     try:

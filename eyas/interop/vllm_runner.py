@@ -121,26 +121,20 @@ def generate(llm, run: dict, warmup: int) -> dict:
             [TokensPrompt(prompt_token_ids=p) for p in prompts], [params(i, max_new_tokens) for i in range(len(prompts))], use_tqdm=False
         )
         seconds = time.perf_counter() - t0
-        tokens = [list(out.outputs[0].token_ids) for out in outs]
-        total_tokens = sum(len(t) for t in tokens)
-        return {
-            "results": [{"token_ids": t, "seconds": seconds} for t in tokens],
-            "total_seconds": seconds,
-            "total_tokens": total_tokens,
-            "tokens_per_s": total_tokens / seconds,
-            "spec": counter_delta(read_counters(llm), total_before),
-        }
-    for i, prompt in enumerate(prompts):
-        before = read_counters(llm)
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i, max_new_tokens), use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        token_ids = list(out[0].outputs[0].token_ids)
-        spec = counter_delta(read_counters(llm), before)
-        results.append(
-            {"token_ids": token_ids, "seconds": seconds, "tokens_per_s": len(token_ids) / seconds, "spec": spec}
-        )
-    total_s = sum(r["seconds"] for r in results)
+        results = [{"token_ids": list(out.outputs[0].token_ids), "seconds": seconds} for out in outs]
+        total_s = seconds
+    else:
+        for i, prompt in enumerate(prompts):
+            before = read_counters(llm)
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(i, max_new_tokens), use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            token_ids = list(out[0].outputs[0].token_ids)
+            spec = counter_delta(read_counters(llm), before)
+            results.append(
+                {"token_ids": token_ids, "seconds": seconds, "tokens_per_s": len(token_ids) / seconds, "spec": spec}
+            )
+        total_s = sum(r["seconds"] for r in results)
     total_tokens = sum(len(r["token_ids"]) for r in results)
     return {
         "results": results,
