@@ -303,8 +303,7 @@ class TreeTuner:
         lone request carries its own bookkeeping (already in the overheads), a level of n requests in lockstep the
         bookkeeping of all n plus their hand-offs, which grows faster than n times one request's. The extra, per
         concurrency, is the median over that concurrency's rounds less n times the lone one (0 before any lone
-        round); once a concurrency has
-        enough rounds its choice is made again with it."""
+        round); once a concurrency has enough rounds its choice is made again with it."""
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
