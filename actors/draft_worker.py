@@ -8,6 +8,7 @@ checks in front of them so that a rejected message changes no state.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -20,6 +21,8 @@ from eyas.manifest import fingerprint_target
 from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
 from eyas.runtime.device import resolve_dtype, stored_dtype
 from eyas.proposer import DraftModel, DraftSession
+from eyas.runtime.batch import Operation
+from eyas.steps import Steps
 from eyas.tree import TreeError
 from eyas.v1 import round_pb2 as pb
 
@@ -47,7 +50,26 @@ class DraftWorker(Worker):
         self.vocab_size = int(embed.weight.shape[0])
         self.feature_width = self.manifest.feature.width(int(embed.weight.shape[1]))
         self.max_positions = int((config.get("text_config") or config).get("max_position_embeddings", 0))
-        self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, self.rendezvous, spec.draft_ahead)
+        self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, spec.draft_ahead, self._draft_ahead)
+
+    def _draft_ahead(self, steps: Steps[None]) -> Future:
+        """A session's drafting ahead runs on the compute thread, batched with the calls in flight; the request's next
+        call waits for it (`followup`)."""
+        settled: Future = Future()
+
+        def ended(submitted: "Future[Operation]") -> None:
+            op = submitted.result()
+            if op.error is not None:
+                settled.set_exception(op.error)
+            else:
+                settled.set_result(None)
+
+        self.scheduler.submit(steps).add_done_callback(ended)
+        return settled
+
+    def followup(self, request_id: str) -> Future | None:
+        session = self.sessions.get(request_id)
+        return None if session is None else session.ahead_job
 
     def endpoints(self) -> dict:
         return {"Start": (pb.DraftStart, self.start_session), "Draft": (pb.DraftRequest, self.draft), "Reseed": (pb.Reseed, self.reseed)}
@@ -79,7 +101,7 @@ class DraftWorker(Worker):
         clock.lap("compute")
         return pb.Ack(ref=msg.ref)
 
-    def draft(self, msg: pb.DraftRequest, clock: Clock) -> pb.Proposal:
+    def draft(self, msg: pb.DraftRequest, clock: Clock) -> Steps[pb.Proposal]:
         """Apply the carried reseed (if any), then propose the tree that builds on msg.ref.version."""
         session = self.session(msg.ref)
         if msg.HasField("assumed"):
@@ -103,7 +125,7 @@ class DraftWorker(Worker):
         clock.lap("decode")
         if reseed is not None:
             session.reseed(*reseed)
-        proposal = session.propose(msg.ref.version, root, policy)
+        proposal = yield from session.propose_steps(msg.ref.version, root, policy)
         clock.lap("compute")
         reply = wire.proposal_to_proto(proposal, msg.ref)
         clock.lap("encode")

@@ -25,6 +25,7 @@ from eyas.rounds import Proposal, Verification
 from eyas.treerows import check_fit
 from eyas.rpc import call_metadata, field_of
 from eyas.sampling import SamplingParams
+from eyas.steps import Steps, without_forwards
 from eyas.tree import FlattenedTree, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
@@ -259,6 +260,10 @@ class RemoteDraft(RemoteSession):
     def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         self._reseed = (version, features, list(tokens))
 
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
+        """`propose` as an operation of the round (the forwards run on the worker)."""
+        return without_forwards(self.propose, version, root_token, policy)
+
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
         def build():
             msg = pb.DraftRequest(ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy))
@@ -303,6 +308,14 @@ class RemoteTarget(RemoteSession):
         self.round_id = ""  # the round of the tree last verified, which its commit names
         self.keep_wire = keep_wire
         self.exchange: tuple[bytes, bytes] | None = None
+
+    def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]:
+        """`prefill` as an operation (the forward runs on the worker)."""
+        return without_forwards(self.prefill, version, tokens)
+
+    def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
+        """`verify` as an operation of the round (the forward runs on the worker)."""
+        return without_forwards(self.verify, tree, version, params)
 
     def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
         def parse(reply: pb.PrefillReply) -> torch.Tensor:

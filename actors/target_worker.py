@@ -30,9 +30,9 @@ from eyas.request import eos_token_ids
 from eyas.errors import VersionError
 from eyas.pairing import plan_drafter, target_num_layers
 from eyas.pairing import DrafterPlan
-from eyas.runtime.batch import Rendezvous
 from eyas.runtime.device import resolve_dtype, stored_dtype
 from eyas.runtime.shard import Shard, join_group, open_rendezvous
+from eyas.steps import Steps
 from eyas.target import TargetModel, TargetSession
 from eyas.tree import validate_tree
 from eyas.v1 import round_pb2 as pb
@@ -58,16 +58,11 @@ class RankInfo:
     kv_pool_bytes: int  # this rank's KV pool (its share of every session's KV), reserved at start
 
 
-def load_target(
-    spec: WorkerSpec, device: torch.device, shard: Shard, rendezvous: Rendezvous | None = None
-) -> tuple[TargetModel, DrafterPlan]:
-    """This rank's shard of the target (the whole target for one rank) and the drafter plan it serves; rank 0's
-    forwards batch the calls meeting at `rendezvous`."""
+def load_target(spec: WorkerSpec, device: torch.device, shard: Shard) -> tuple[TargetModel, DrafterPlan]:
+    """This rank's shard of the target (the whole target for one rank) and the drafter plan it serves."""
     plan = plan_drafter(spec.drafter, target_num_layers(spec.target), spec.feature_layers)
     dtype = resolve_dtype(spec.dtype, device, stored_dtype(spec.target))
-    model = TargetModel.from_pretrained(
-        spec.target, plan.address, dtype=dtype, device=device, kv_slots=spec.kv_slots, rendezvous=rendezvous, shard=shard
-    )
+    model = TargetModel.from_pretrained(spec.target, plan.address, dtype=dtype, device=device, kv_slots=spec.kv_slots, shard=shard)
     return model, plan
 
 
@@ -153,7 +148,7 @@ class TargetWorker(Worker):
         shard = Shard()
         if spec.tensor_parallel > 1:
             shard = join_group("", 0, 0, spec.tensor_parallel, self.device, GROUP_TIMEOUT, self._store)
-        self.model, plan = load_target(spec, self.device, shard, self.rendezvous)
+        self.model, plan = load_target(spec, self.device, shard)
         self.manifest = plan.manifest(self.model.fingerprint, spec.allow_manifest_mismatch)
         self.vocab_size = self.model.vocab_size
         self.feature_width = self.model.feature_width
@@ -172,14 +167,14 @@ class TargetWorker(Worker):
     def session_kv_bytes(self, session: TargetSession) -> int:
         return session.kv_bytes()
 
-    def prefill(self, msg: pb.Prefill, clock: Clock) -> pb.PrefillReply:
+    def prefill(self, msg: pb.Prefill, clock: Clock) -> Steps[pb.PrefillReply]:
         """Open a session holding the KV of `tokens` (every committed token but the append-required root)."""
         self.new_session(msg.ref)
         tokens = self.check_tokens(msg.tokens, "tokens")
         clock.lap("decode")
         session = TargetSession(self.model)
         try:
-            features = session.prefill(msg.ref.version, tokens)
+            features = yield from session.prefill_steps(msg.ref.version, tokens)
         except BaseException:
             session.close()
             raise
@@ -189,7 +184,7 @@ class TargetWorker(Worker):
         clock.lap("encode")
         return reply
 
-    def verify(self, msg: pb.VerifyRequest, clock: Clock) -> pb.Verification:
+    def verify(self, msg: pb.VerifyRequest, clock: Clock) -> Steps[pb.Verification]:
         """Apply the carried commit (if any), then verify the tree that builds on msg.ref.version."""
         session = self.session(msg.ref)
         if not msg.HasField("tree"):
@@ -222,7 +217,7 @@ class TargetWorker(Worker):
         clock.lap("decode")
         if commit is not None:
             self.apply_commit(request_id, session, commit)
-        verification = session.verify(tree, msg.ref.version, params)
+        verification = yield from session.verify_steps(tree, msg.ref.version, params)
         self.provisional_round[request_id] = msg.round_id
         clock.lap("compute")
         reply = wire.verification_to_proto(verification, msg.ref)

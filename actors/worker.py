@@ -1,11 +1,12 @@
 """What draft and target workers share: their spec, the per-request session table, the gRPC endpoint loop.
 
 A worker is a Ray actor running a grpc.aio server; trees, decisions and features travel over that
-server as protobuf, never through Ray's object store. Every endpoint decodes and checks its
-message, then runs on a compute thread of its own; the calls of one request run one at a time in
-arrival order, and the forwards of the calls of different requests that are in flight together
-run as one batch (continuous batching, docs/runtime.md). Each call reports its decode / queue /
-batch (waiting for batch-mates) / compute / encode seconds in its trailer.
+server as protobuf, never through Ray's object store. Every call is decoded on the server's event
+loop, then runs as an operation on the worker's one compute thread (`eyas.runtime.batch.Scheduler`):
+the calls of one request run one at a time in arrival order, and the forwards of the calls of
+different requests that are in flight together run as one batch per model (continuous batching,
+docs/runtime.md). Each call reports its decode / queue / batch (waiting for batch-mates) / compute /
+encode seconds in its trailer.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import os
 import resource
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
+from types import GeneratorType
 
 import grpc
 import ray
@@ -25,7 +27,8 @@ from google.protobuf.message import DecodeError, Message
 from transformers.utils import logging as hf_logging
 
 from eyas.manifest import Manifest
-from eyas.runtime.batch import Rendezvous, batch_wait_seconds
+from eyas.runtime.batch import Scheduler
+from eyas.steps import Steps
 from eyas.tree import TreeError, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
@@ -48,7 +51,7 @@ class WorkerSpec:
     token: str | None = None  # the service's own worker credential: every call must carry it, even on loopback
     threads: int = 1
     draft_ahead: int = 0  # trees a draft worker pre-builds per request during each verification
-    max_concurrency: int = 64  # calls of different requests a worker runs (and batches) at once
+    max_concurrency: int = 64  # calls a worker runs (and batches) at once; later ones wait in arrival order
     kv_slots: int = 16  # sessions one worker's KV pool holds at once
     tensor_parallel: int = 1  # ranks of a target group (docs/groups.md)
 
@@ -104,8 +107,7 @@ class Worker:
         self.max_positions = 0
         self.calls = 0
         self.busy_seconds = 0.0
-        self._compute = ThreadPoolExecutor(spec.max_concurrency, thread_name_prefix=f"eyas-{self.role}")
-        self.rendezvous = Rendezvous()  # the calls in flight: their forwards batch together
+        self.scheduler = Scheduler(f"eyas-{self.role}", spec.max_concurrency)  # the compute thread
         self._tails: dict[str, asyncio.Future] = {}  # per request: the last call, which the next one waits for
         self._server: grpc.aio.Server | None = None
         self.device = assigned_device()
@@ -115,8 +117,9 @@ class Worker:
         """Load models and set manifest, vocab_size, feature_width and max_positions."""
         raise NotImplementedError
 
-    def endpoints(self) -> dict[str, tuple[type[Message], Callable[[Message, Clock], Message]]]:
-        """Round endpoints by rpc name: (request type, function of (message, clock) -> reply)."""
+    def endpoints(self) -> dict[str, tuple[type[Message], Callable[[Message, Clock], Message | Steps[Message]]]]:
+        """Round endpoints by rpc name: (request type, function of (message, clock) -> reply, or an operation
+        returning the reply when the call runs forwards)."""
         raise NotImplementedError
 
     def session_kv_bytes(self, session) -> int:
@@ -130,6 +133,11 @@ class Worker:
     def forget(self, request_id: str) -> None:
         """Drop role-specific bookkeeping of a released session."""
 
+    def followup(self, request_id: str) -> Future | None:
+        """Work a finished call left running for its request on the compute thread (the request's next call waits
+        for it), or None."""
+        return None
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, port: int = 0) -> WorkerInfo:
         """Load the models, then serve on the configured host; returns where the worker listens.
@@ -138,11 +146,10 @@ class Worker:
         """
         if not self.spec.token:
             raise WorkerStartError("token: a worker needs its service's credential (WorkerSpec.token)")
-        loop = asyncio.get_running_loop()
         torch.set_num_threads(self.spec.threads)
         hf_logging.disable_progress_bar()
         try:
-            await loop.run_in_executor(self._compute, self.load)
+            await asyncio.to_thread(self.load)
         except Exception as exc:  # engine errors take several arguments; a plain one crosses Ray intact
             raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
         methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in self.endpoints().items()}
@@ -187,33 +194,51 @@ class Worker:
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
-    async def _in_order(self, ref, fn: Callable[[Message, Clock], Message], request: Message, clock: Clock) -> Message:
-        """Run a call on a compute thread after the calls of the same request that arrived before it."""
+    async def _in_order(self, ref, fn: Callable, request: Message, clock: Clock) -> Message:
+        """Run a call on the compute thread after the calls of the same request that arrived before it (and the
+        work they left running there)."""
         loop = asyncio.get_running_loop()
         key = ref.request_id if ref is not None else ""
         previous = self._tails.get(key)
         done = loop.create_future()
         self._tails[key] = done
-        try:
-            if previous is not None:
-                await asyncio.shield(previous)
-            return await loop.run_in_executor(self._compute, self._run, fn, request, clock)
-        finally:
+
+        def settle() -> None:
             done.set_result(None)
             if self._tails.get(key) is done:
                 del self._tails[key]
 
-    def _run(self, fn: Callable[[Message, Clock], Message], request: Message, clock: Clock) -> Message:
-        clock.lap("queue")
-        self.rendezvous.join()
-        batch_wait_seconds()
+        def ended(_) -> None:  # on the compute thread, once the call's operation has ended
+            after = self.followup(key) if key else None
+            if after is None:
+                loop.call_soon_threadsafe(settle)
+            else:
+                after.add_done_callback(lambda _: loop.call_soon_threadsafe(settle))
+
         try:
-            return fn(request, clock)
-        finally:
-            self.rendezvous.leave()
-            clock.move("compute", "batch", batch_wait_seconds())
-            self.calls += 1
-            self.busy_seconds += clock.seconds["compute"]
+            if previous is not None:
+                await asyncio.shield(previous)
+        except BaseException:
+            settle()
+            raise
+        submitted = self.scheduler.submit(self._steps(fn, request, clock))
+        submitted.add_done_callback(ended)
+        op = await asyncio.wrap_future(submitted)
+        clock.move("compute", "batch", op.waited)
+        self.calls += 1
+        self.busy_seconds += clock.seconds["compute"]
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    @staticmethod
+    def _steps(fn: Callable, request: Message, clock: Clock) -> Steps[Message]:
+        """A call as an operation of the compute thread: its receipt checks, its forwards (if any) and its reply."""
+        clock.lap("queue")
+        reply = fn(request, clock)
+        if isinstance(reply, GeneratorType):
+            reply = yield from reply
+        return reply
 
     async def _health(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         sessions = dict(self.sessions)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +23,12 @@ from .pairing import plan_drafter, target_num_layers
 from .plain import PLAIN_POLICY, NoDraft
 from .proposer import DraftModel, DraftSession
 from .request import RequestState, StopRules, eos_token_ids, make_sampling, tokenize_prompt
-from .rounds import RoundRecord, run_round, start
+from .rounds import RoundRecord, round_steps, start_steps
+from .runtime.batch import Lockstep, Operation
 from .runtime.device import resolve_device, resolve_dtype, stored_dtype
 from .runtime.kv import TREE_HEADROOM
 from .stats import GenerationStats
+from .steps import Steps
 from .target import DEFAULT_KV_SLOTS, TargetModel, TargetSession
 from .trace.record import RequestRecorder
 from .trace.store import TraceWriter
@@ -92,9 +94,7 @@ class Engine:
     @drafter.setter
     def drafter(self, drafter: Drafter) -> None:
         """Serve with another drafter (same target): its draft KV pool is sized like the target's."""
-        self.draft = DraftModel(
-            drafter, self.target.pool.slots, self.target.max_seq_len, self.target.batcher.rendezvous, self.draft_ahead
-        )
+        self.draft = DraftModel(drafter, self.target.pool.slots, self.target.max_seq_len, self.draft_ahead)
 
     @property
     def tuner(self) -> TreeTuner:
@@ -198,7 +198,7 @@ class Engine:
         request = self.new_request(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stop_at_eos)
         writer = TraceWriter(trace) if isinstance(trace, (str, Path)) else trace
         try:
-            return self._run(request, tree, on_round, writer, speculate=speculate)
+            return self._run([request], tree, on_round, writer, speculate=speculate)[0]
         finally:
             if writer is not trace:
                 writer.close()
@@ -215,10 +215,11 @@ class Engine:
         stop_at_eos: bool = True,
         tree: TreePolicy | dict | str | None = None,
     ) -> list[Generation]:
-        """Generate for every prompt at once: each phase of every round runs as one batched forward.
+        """Generate for every prompt at once: the requests step in lockstep, so each phase of every round (drafting
+        level by level, verification, reseeding) is one batched forward for all of them.
 
         `max_new_tokens` and `seed` may be given per request. A request's output does not depend on
-        its batch-mates. Requests beyond the KV pool's slots wait for a free slot.
+        its batch-mates. Requests beyond the KV pool's free slots start as slots free.
         """
         count = len(prompts)
         limits = [max_new_tokens] * count if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -229,21 +230,60 @@ class Engine:
             self.new_request(p, m, temperature, top_p, top_k, s, stop, stop_at_eos)
             for p, m, s in zip(prompts, limits, seeds)
         ]
-        if not requests:
-            return []
-        with ThreadPoolExecutor(len(requests), thread_name_prefix="eyas-batch") as pool:
-            return list(pool.map(lambda r: self._run(r, tree, None, None, batched=True), requests))
+        return self._run(requests, tree, None, None, wait=True)
 
     def _run(
+        self,
+        requests: list[RequestState],
+        tree: TreePolicy | dict | str | None,
+        on_round: Callable[[RoundRecord], None] | None,
+        writer: TraceWriter | None,
+        speculate: bool = True,
+        wait: bool = False,
+    ) -> list[Generation]:
+        """Run `requests` to their ends in lockstep on this thread: at each step the forwards they wait on run as one
+        batch per model. A request starts when both KV pools have a free slot for it (the first one also waits for a
+        slot when `wait`, else it is refused with KVCapacityError); the first error is raised once all have ended."""
+        lockstep = Lockstep()
+        pending = deque(requests)
+        ops: list[Operation] = []
+        active = 0
+
+        def finish(op: Operation) -> None:
+            nonlocal active
+            active -= 1
+
+        def concurrency() -> int:
+            return active
+
+        while pending or lockstep.waiting:
+            while pending and (not active or self._free_slots(speculate)):
+                active += 1
+                ops.append(lockstep.add(self._steps(pending.popleft(), tree, on_round, writer, speculate, wait, concurrency), finish))
+            if lockstep.waiting:
+                lockstep.step()
+        for op in ops:
+            if op.error is not None:
+                raise op.error
+        return [op.result for op in ops]
+
+    def _free_slots(self, speculate: bool) -> int:
+        """Requests that can start now without waiting for a KV slot."""
+        free = self.target.pool.free_slots
+        return min(free, self.draft.pool.free_slots) if speculate else free
+
+    def _steps(
         self,
         request: RequestState,
         tree: TreePolicy | dict | str | None,
         on_round: Callable[[RoundRecord], None] | None,
         writer: TraceWriter | None,
-        batched: bool = False,
-        speculate: bool = True,
-    ) -> Generation:
-        """Run one request to its end; `batched` requests step in lockstep with the others of their batch."""
+        speculate: bool,
+        wait: bool,
+        concurrency: Callable[[], int],
+    ) -> Steps[Generation]:
+        """One request from its prefill to its end, as an operation; `concurrency()` counts the requests stepping
+        together (tree auto chooses per concurrency)."""
         setting = tree_setting(tree) if tree is not None else self.tree
         auto = speculate and setting == "auto"
         policy = PLAIN_POLICY if not speculate else self._policy() if auto else setting
@@ -252,19 +292,16 @@ class Engine:
             recorder = RequestRecorder(writer.write, request, policy, self.manifest.id, self.manifest.to_dict(), "local")
         stats = GenerationStats()
         if speculate:
-            target, draft = self.sessions(request, wait=batched)
+            target, draft = self.sessions(request, wait=wait)
         else:
-            target, draft = TargetSession(self.target, wait=batched), NoDraft()
-        rendezvous = self.target.batcher.rendezvous
-        if batched:
-            rendezvous.join()
+            target, draft = TargetSession(self.target, wait=wait), NoDraft()
         try:
             started = time.perf_counter()
-            start(request, draft, target)
+            yield from start_steps(request, draft, target)
             stats.add_prefill(time.perf_counter() - started)
             while not request.done:
-                concurrent = max(1, rendezvous.parties)
-                record = run_round(request, draft, target, self._policy(concurrent) if auto else policy)
+                concurrent = concurrency()
+                record = yield from round_steps(request, draft, target, self._policy(concurrent) if auto else policy)
                 if auto:
                     with self._tuner_lock:
                         self._tuner.observe(record, concurrent)
@@ -276,8 +313,6 @@ class Engine:
             if recorder is not None:
                 recorder.end(request)
         finally:
-            if batched:
-                rendezvous.leave()
             target.close()
             draft.close()
         text = self.target.tokenizer.decode(request.output) if self.target.tokenizer is not None else None

@@ -11,6 +11,7 @@ import torch
 
 from .errors import VersionError
 from .proposer import Proposal
+from .steps import Steps, without_forwards
 from .tree import DraftTree, TreePolicy, flatten
 
 PLAIN_POLICY = TreePolicy(width=1, depth=0, budget=0)  # what a plain round records as its tree policy
@@ -27,6 +28,10 @@ class NoDraft:
         """Begin at `version` on a target prefix of features.shape[0] committed rows."""
         self.committed = features.shape[0]
         self.version = version
+
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
+        """`propose` as an operation (it runs no forward)."""
+        return without_forwards(self.propose, version, root_token, policy)
 
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
         """The tree of the append-required token alone, whatever `policy` asks."""

@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from .drafters import Drafter
+from .drafters.layers import MLP, Attention
 from .errors import VersionError
 from .rounds import Proposal
-from .runtime.batch import Batcher, Rendezvous, RowsCall, pack, split_rows
+from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
-from .runtime.linear import PackedLinear, pack_linears
+from .runtime.linear import Linear, PackedLinear, pack_linears
+from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
 
-MAX_BATCH_ROWS = 4096  # drafter rows one batched forward takes; calls past it wait for the next
+AheadRunner = Callable[[Steps[None]], Future]  # runs a session's drafting ahead beside the round; done when it is
 
 
 @dataclass
@@ -37,28 +40,49 @@ class DraftRows:
     probs: torch.Tensor | None = None
 
 
+def fuse_products(drafter: Drafter) -> frozenset[int]:
+    """Serve every attention's q/k/v and every MLP's gate/up as one product each (inference only); returns the ids of
+    the layers those products replace (they stay, unused, for the state dict)."""
+    replaced = set()
+    for module in drafter.modules():
+        if isinstance(module, Attention):
+            module.fuse(Linear)
+            replaced |= {id(module.q_proj), id(module.k_proj), id(module.v_proj)}
+        elif isinstance(module, MLP):
+            module.fuse(Linear)
+            replaced |= {id(module.gate_proj), id(module.up_proj)}
+    return frozenset(replaced)
+
+
 class DraftModel:
     """A drafter on one device with the KV pool its sessions share; `run` expands rows of many sessions at once."""
 
     def __init__(
-        self, drafter: Drafter, kv_slots: int, max_seq_len: int, rendezvous: Rendezvous | None = None, ahead_trees: int = 0
+        self, drafter: Drafter, kv_slots: int, max_seq_len: int, ahead_trees: int = 0, ahead_runner: AheadRunner | None = None
     ):
-        """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified."""
+        """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified;
+        `ahead_runner` runs that drafting beside the round (default: alone on a background thread)."""
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
-        pack_linears(drafter)  # inference only from here: every product, the target's head included, on prepacked weights
+        # inference only from here: every product, the target's head included, on prepacked weights
+        pack_linears(drafter, skip=fuse_products(drafter))
         if drafter.bound:
             drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head))
         self.drafter = drafter
         self.ahead_trees = ahead_trees
-        self.background = ThreadPoolExecutor(max(1, kv_slots), thread_name_prefix="eyas-ahead")
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")  # starts a thread on first use only
+        self.ahead_runner = ahead_runner or self._run_in_background
         attn = drafter.attention
         slot_len = max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
-        self.batcher: Batcher[RowsCall, DraftRows] = Batcher(
-            self.run, rendezvous or Rendezvous(), rows=lambda call: int(call.tokens.shape[0]), max_rows=MAX_BATCH_ROWS
-        )
+
+    def rows(self, call: RowsCall) -> int:
+        """Rows `call` adds to a batch (its share of the row budget)."""
+        return int(call.tokens.shape[0])
+
+    def _run_in_background(self, steps: Steps[None]) -> Future:
+        return self._background.submit(run_alone, steps)
 
     @torch.no_grad()
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
@@ -123,6 +147,11 @@ class DraftSession:
             self.model.pool.release(self.slot)
             self.slot = None
 
+    @property
+    def ahead_job(self) -> Future | None:
+        """The drafting ahead in flight for this session, if any."""
+        return self._ahead_job
+
     def kv_bytes(self) -> int:
         """Bytes of draft KV held: every written row of the slot."""
         return self.model.pool.row_bytes * self.written
@@ -165,7 +194,7 @@ class DraftSession:
         self.version = version + 1
         self.last_reseed = (version, tuple(tokens))
 
-    def _run_pending(self) -> None:
+    def _run_pending(self) -> Steps[None]:
         """Run the queued verified rows causally on top of the committed draft KV; they become committed."""
         self.written = self.committed
         if self.pending_state is None:
@@ -174,18 +203,23 @@ class DraftSession:
         visible = torch.ones(m, self.committed + m, dtype=torch.bool)
         visible[:, self.committed :] = torch.ones(m, m, dtype=torch.bool).tril()
         positions = torch.arange(self.committed, self.committed + m)
-        out = self._run(RowsCall(self.slot, self.committed, torch.tensor(self.pending_tokens), positions, visible, self.pending_state))
+        out = yield from self._run(RowsCall(self.slot, self.committed, torch.tensor(self.pending_tokens), positions, visible, self.pending_state))
         self.committed += m
         self.root_state = out.states[-1]
         self.root_token = self.pending_tokens[-1]
         self.pending_state = None
         self.pending_tokens = []
 
-    @torch.no_grad()
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
+        """`propose_steps` run alone."""
+        return run_alone(self.propose_steps(version, root_token, policy))
+
+    @torch.no_grad()
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
         """Build the EAGLE-2 tree rooted at the append-required token and flatten it for verification.
 
-        A tree drafted ahead for exactly the outcome the last reseed published is returned at once.
+        A tree drafted ahead for exactly the outcome the last reseed published is returned at once. With
+        drafting ahead on, the next round's trees are then pre-built beside this round (`DraftModel.ahead_runner`).
         """
         self._settle_ahead()
         if version != self.version:
@@ -202,13 +236,15 @@ class DraftSession:
             self.written = hit.end
             grown = hit
         else:
-            self._run_pending()
-            grown = self._grow(root_token, self.root_state, [], self.committed, policy)
+            yield from self._run_pending()
+            grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy)
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
-            self._ahead_job = self.model.background.submit(self._draft_ahead, version + 1, grown, policy)
+            self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy))
         return grown.proposal
 
-    def _grow(self, root_token: int, root_state: torch.Tensor | None, base_rows: list[int], prefix_len: int, policy: TreePolicy) -> "Grown":
+    def _grow(
+        self, root_token: int, root_state: torch.Tensor | None, base_rows: list[int], prefix_len: int, policy: TreePolicy
+    ) -> Steps["Grown"]:
         """Expand a tree from `root_state` whose nodes also see the draft rows `base_rows`, for a target prefix of
         `prefix_len` rows; the expansion rows are scratch after `written`."""
         tree = DraftTree(root_token)
@@ -224,7 +260,7 @@ class DraftSession:
                 tokens, probs = self.drafter.top_candidates(root_state[None], policy.width)  # [1, width]
             else:
                 expanded = tree.expandable(policy.width)
-                out = self._expand(tree, expanded, states, path_rows, prefix_len, policy.width)
+                out = yield from self._expand(tree, expanded, states, path_rows, prefix_len, policy.width)
                 expanded_count += len(expanded)
                 states.update(zip(expanded, out.states))
                 tokens, probs = out.tokens, out.probs  # [Q, width]
@@ -241,7 +277,7 @@ class DraftSession:
         return Grown(proposal, states, path_rows, self.written)
 
     @torch.no_grad()
-    def _draft_ahead(self, version: int, grown: "Grown", policy: TreePolicy) -> None:
+    def _draft_ahead(self, version: int, grown: "Grown", policy: TreePolicy) -> Steps[None]:
         """While the tree of `version - 1` is verified: pre-build the `version` trees of its likeliest outcomes.
 
         An outcome is an accepted path (root to a verified node n) and the bonus token b after it, b not one of
@@ -249,14 +285,12 @@ class DraftSession:
         pre-built tree conditions on the drafter's own states along the path (as deeper tree levels do) and
         roots at b; the verified features reseed the drafter as usual afterwards.
         """
-        rendezvous = self.model.batcher.rendezvous
-        rendezvous.join()
         try:
             proposal, states, path_rows = grown.proposal, grown.states, grown.path_rows
             tree, nodes, prefix_len = proposal.draft_tree, proposal.row_nodes, proposal.tree.prefix_len
             leaves = [n for n in nodes if n not in states]
             if leaves:
-                states.update(zip(leaves, self._expand(tree, leaves, states, path_rows, prefix_len).states))
+                states.update(zip(leaves, (yield from self._expand(tree, leaves, states, path_rows, prefix_len)).states))
             # enough candidates per node that `ahead_trees` remain besides its verified children
             width = policy.width + self.model.ahead_trees
             tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in nodes]), width)
@@ -276,7 +310,7 @@ class DraftSession:
             visible[:, : self.committed] = True
             for i, (_, n, _) in enumerate(outcomes):
                 visible[i, path_rows[n] + [base + i]] = True
-            roots = self._run(
+            roots = (yield from self._run(
                 RowsCall(
                     self.slot,
                     base,
@@ -285,24 +319,21 @@ class DraftSession:
                     visible,
                     torch.stack([states[n] for _, n, _ in outcomes]),
                 )
-            ).states  # [T, d]
+            )).states  # [T, d]
             for i, (_, n, b) in enumerate(outcomes):
                 path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
-                built = self._grow(b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy)
+                built = yield from self._grow(b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy)
                 built.proposal.assumed = (path, b)
                 self.ahead[(version, path, b, policy)] = built
                 self.ahead_built += 1
         except KVCapacityError:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
-        finally:
-            rendezvous.leave()
 
     def _settle_ahead(self) -> None:
         """Wait for the drafting ahead in flight (its rows are scratch that the next step drops)."""
         job, self._ahead_job = self._ahead_job, None
         if job is not None:
-            with self.model.batcher.rendezvous.blocked():
-                job.result()
+            job.result()
 
     def _expand(
         self,
@@ -312,7 +343,7 @@ class DraftSession:
         path_rows: dict[int, list[int]],
         prefix_len: int,
         top_k: int = 0,
-    ) -> DraftRows:
+    ) -> Steps[DraftRows]:
         """Run the drafter on tree nodes: each sees the committed rows, its draft ancestors and itself; with `top_k`,
         also each node's top-k children candidates."""
         base = self.written
@@ -324,11 +355,11 @@ class DraftSession:
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
         tokens = torch.tensor([tree.tokens[n] for n in nodes])
         positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])
-        return self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden, top_k))
+        return (yield from self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden, top_k)))
 
-    def _run(self, call: RowsCall) -> DraftRows:
+    def _run(self, call: RowsCall) -> Steps[DraftRows]:
         """Write `call`'s rows into this session's slot and return their drafter outputs."""
         self.model.pool.check_fits(call.start + call.tokens.shape[0])
-        out = self.model.batcher.run(call)
+        out = yield Forward(self.model, call)
         self.written = call.start + call.tokens.shape[0]
         return out

@@ -1,8 +1,10 @@
 """The speculation round (docs/round.md), written once for every deployment.
 
 `start` seeds (or rebuilds) a request's target and draft caches from its committed tokens;
-`run_round` drafts a tree, verifies it and publishes the result. The in-process engine passes
-local sessions; the coordinator passes proxies of remote workers with the same methods.
+`run_round` drafts a tree, verifies it and publishes the result. Both are operations
+(`eyas.steps`): the in-process engine drives the rounds of many requests in lockstep over local
+sessions, so their forwards batch; the coordinator runs each request's round alone over proxies of
+remote workers, whose operations run no local forward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .publish import publish
 from .request import RequestState
 from .sampling import SamplingParams
+from .steps import Steps, run_alone
 from .tree import DraftTree, FlattenedTree, TreePolicy
 from .verify import AcceptanceDecision
 
@@ -48,13 +51,13 @@ class Verification:
 
 class Drafting(Protocol):
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None: ...
-    def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal: ...
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]: ...
     def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None: ...
 
 
 class Verifying(Protocol):
-    def prefill(self, version: int, tokens: list[int]) -> torch.Tensor: ...
-    def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification: ...
+    def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]: ...
+    def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]: ...
     def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None: ...
 
 
@@ -84,19 +87,29 @@ class RoundRecord:
 
 
 def start(request: RequestState, draft: Drafting, target: Verifying) -> None:
+    """`start_steps` run alone."""
+    run_alone(start_steps(request, draft, target))
+
+
+def start_steps(request: RequestState, draft: Drafting, target: Verifying) -> Steps[None]:
     """Prefill every committed token but the append-required root and seed the drafter with their features."""
     tokens = request.tokens
-    features = target.prefill(request.version, tokens[:-1])  # [n - 1, F]
+    features = yield from target.prefill_steps(request.version, tokens[:-1])  # [n - 1, F]
     draft.start(request.version, features, tokens[1:])
 
 
 def run_round(request: RequestState, draft: Drafting, target: Verifying, policy: TreePolicy) -> RoundRecord:
+    """`round_steps` run alone."""
+    return run_alone(round_steps(request, draft, target, policy))
+
+
+def round_steps(request: RequestState, draft: Drafting, target: Verifying, policy: TreePolicy) -> Steps[RoundRecord]:
     """Draft, verify and publish one round of `request`."""
     version = request.version
     t0 = time.perf_counter()
-    proposal = draft.propose(version, request.root_token, policy)
+    proposal = yield from draft.propose_steps(version, request.root_token, policy)
     t1 = time.perf_counter()
-    verification = target.verify(proposal.tree, version, request.sampling)
+    verification = yield from target.verify_steps(proposal.tree, version, request.sampling)
     t2 = time.perf_counter()
     emitted = publish(request, verification.decision, verification.features, target, draft)
     t3 = time.perf_counter()

@@ -21,17 +21,17 @@ from transformers import AutoTokenizer, GenerationConfig
 from .errors import VersionError
 from .manifest import FeatureAddress, TargetFingerprint, fingerprint_target
 from .rounds import Verification
-from .runtime.batch import Batcher, Rendezvous, RowsCall, pack, split_rows
+from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVPool
 from .runtime.model import CausalLM
 from .runtime.shard import Lockstep, Shard
 from .sampling import SamplingParams
+from .steps import Forward, Steps, run_alone
 from .tree import FlattenedTree
 from .verify import decide
 
 DEFAULT_KV_SLOTS = 8
-MAX_BATCH_ROWS = 4096  # rows one batched forward takes; calls past it wait for the next
 
 
 @dataclass
@@ -62,7 +62,6 @@ class TargetModel:
         generation_config: GenerationConfig | None = None,
         kv_slots: int = DEFAULT_KV_SLOTS,
         max_seq_len: int | None = None,
-        rendezvous: Rendezvous | None = None,
     ):
         self.runtime = model
         self.config = model.config
@@ -80,9 +79,6 @@ class TargetModel:
         slot_len = self.max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(model.dtype, model.device)
         self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
-        self.batcher: Batcher[TargetCall, TargetOutput] = Batcher(
-            self.run, rendezvous or Rendezvous(), rows=lambda call: int(call.rows.tokens.shape[0]), max_rows=MAX_BATCH_ROWS
-        )
         self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
 
     @property
@@ -112,7 +108,6 @@ class TargetModel:
         device: str | torch.device = "cpu",
         kv_slots: int = DEFAULT_KV_SLOTS,
         max_seq_len: int | None = None,
-        rendezvous: Rendezvous | None = None,
         shard: Shard = Shard(),
     ) -> "TargetModel":
         """Load a target checkpoint directory (with its tokenizer when present) and fingerprint it; a rank of a
@@ -133,7 +128,6 @@ class TargetModel:
             generation_config=generation,
             kv_slots=kv_slots,
             max_seq_len=max_seq_len,
-            rendezvous=rendezvous,
         )
 
     def _check_address(self, address: FeatureAddress) -> FeatureAddress:
@@ -159,6 +153,10 @@ class TargetModel:
     def call(self, slot: int, prefix_len: int, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool = True) -> TargetCall:
         """N rows written right after a slot's `prefix_len` committed rows; tokens, positions [N], rows_mask [N, N]."""
         return TargetCall(RowsCall(slot, prefix_len, tokens, positions, self.visible(rows_mask, positions, prefix_len)), with_logits)
+
+    def rows(self, call: TargetCall) -> int:
+        """Rows `call` adds to a batch (its share of the row budget)."""
+        return int(call.rows.tokens.shape[0])
 
     def run(self, calls: list[TargetCall]) -> list[TargetOutput]:
         """One forward over the rows of every call (each in its own slot) -> each call's logits, features, experts;
@@ -227,11 +225,15 @@ class TargetSession:
         if version != self.version:
             raise VersionError("target cache", self.version, version)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> TargetOutput:
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> Forward:
         self.model.pool.check_fits(self.committed + tokens.shape[0])
-        return self.model.batcher.run(self.model.call(self.slot, self.committed, tokens, positions, rows_mask, with_logits))
+        return Forward(self.model, self.model.call(self.slot, self.committed, tokens, positions, rows_mask, with_logits))
 
     def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
+        """`prefill_steps` run alone."""
+        return run_alone(self.prefill_steps(version, tokens))
+
+    def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]:
         """Commit the KV of `tokens` (everything before the next tree root) at the request's `version`.
 
         Returns their features [n, F]. Also rebuilds a lost session from a request's committed tokens.
@@ -242,11 +244,15 @@ class TargetSession:
         if not tokens:
             return torch.empty(0, self.model.feature_width)
         n = len(tokens)
-        out = self._forward(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
+        out = yield self._forward(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
         self.committed = n
         return out.features
 
     def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
+        """`verify_steps` run alone."""
+        return run_alone(self.verify_steps(tree, version, params))
+
+    def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
         """Verify a tree built on `version`: its rows stay provisional until `commit`.
 
         The tree is trusted: the engine's own proposer builds valid trees, and a tree from outside (a
@@ -254,7 +260,7 @@ class TargetSession:
         """
         self._check_version(version)
         self.provisional = 0
-        out = self._forward(tree.tokens, tree.positions, tree.mask, True)
+        out = yield self._forward(tree.tokens, tree.positions, tree.mask, True)
         self.provisional = tree.num_rows
         logits = out.logits.cpu()
         decision, row_probs = decide(tree, logits, params)

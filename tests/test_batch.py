@@ -2,9 +2,6 @@
 never depends on its batch-mates (greedy and seeded sampling); the KV pool returns to its baseline and
 refuses, with the capacity named, what cannot fit."""
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 from tests.helpers.tiny import make_drafter, make_target
@@ -12,6 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.errors import RequestError
+from eyas.runtime.batch import Lockstep, Scheduler
+from eyas.steps import Forward
 from eyas.target import TargetSession
 from eyas.tree import TreeError
 
@@ -79,9 +78,9 @@ def test_a_bfloat16_batch_equals_each_alone(world):
     assert [g.token_ids for g in engine.generate_batch(PROMPTS, max_new_tokens=LIMITS)] == alone
 
 
-def test_calls_in_flight_together_run_as_one_batch(world):
-    """A worker's compute threads: each call joins the rendezvous while it runs, so the forwards of calls
-    in flight together batch, whatever their phase, and each result equals the call run alone."""
+def test_operations_in_flight_together_run_as_one_batch(world):
+    """A worker's compute thread: the operations in flight together batch their forwards, whatever their phase,
+    and each result equals the operation run alone."""
     target, drafter, _ = world
     engine = Engine.from_pretrained(target, drafter, tree={"width": 3, "depth": 3, "budget": 8})
     requests = [engine.new_request(p, max_new_tokens=4) for p in PROMPTS]
@@ -90,26 +89,47 @@ def test_calls_in_flight_together_run_as_one_batch(world):
         t, d = engine.sessions(request)
         alone.append(t.prefill(0, request.tokens[:-1]))
         t.close(), d.close()
-    rendezvous, batcher = engine.target.batcher.rendezvous, engine.target.batcher
-    before = (batcher.batches, batcher.calls)
-    gate = threading.Barrier(len(requests))
-
-    def call(request):
-        session = TargetSession(engine.target)
-        rendezvous.join()
-        try:
-            gate.wait()
-            return session.prefill(0, request.tokens[:-1])
-        finally:
-            rendezvous.leave()
-            session.close()
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(call, requests))
+    scheduler = Scheduler("test-compute")
+    sessions = [TargetSession(engine.target) for _ in requests]
+    try:
+        futures = [scheduler.submit(s.prefill_steps(0, r.tokens[:-1])) for s, r in zip(sessions, requests)]
+        ops = [f.result(timeout=60) for f in futures]
+    finally:
+        for s in sessions:
+            s.close()
     forwards = sum(len(r.tokens) > 1 for r in requests)  # a one-token prompt has nothing to prefill
-    assert batcher.calls - before[1] == forwards and batcher.batches - before[0] < forwards
-    for one, many in zip(alone, together):
-        assert torch.allclose(one, many, atol=1e-5)
+    assert scheduler.lockstep.calls == forwards and scheduler.lockstep.batches < forwards
+    for one, op in zip(alone, ops):
+        assert op.error is None
+        assert torch.allclose(one, op.result, atol=1e-5)
+
+
+def test_a_failing_forward_fails_only_its_own_operations(world):
+    """A batch that raises raises in each operation it served; the driver and later batches go on."""
+    target, drafter, _ = world
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4})
+    good = TargetSession(engine.target)
+    lockstep = Lockstep()
+
+    class Broken:
+        def rows(self, call):
+            return 1
+
+        def run(self, calls):
+            raise RuntimeError("this model is broken")
+
+    def broken_steps():
+        yield Forward(Broken(), None)
+
+    try:
+        bad = lockstep.add(broken_steps())
+        fine = lockstep.add(good.prefill_steps(0, PROMPTS[0]))
+        while lockstep.waiting:
+            lockstep.step()
+    finally:
+        good.close()
+    assert isinstance(bad.error, RuntimeError) and "broken" in str(bad.error)
+    assert fine.error is None and fine.result.shape[0] == len(PROMPTS[0])
 
 
 def test_more_requests_than_slots_wait_for_one(world):

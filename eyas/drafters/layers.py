@@ -7,6 +7,8 @@ training runs over packed, rolled-out rows; neither is plain causal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,8 +17,13 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
+Product = Callable[[torch.Tensor], torch.Tensor]
+MakeProduct = Callable[[torch.Tensor, "torch.Tensor | None"], Product]  # (weight [out, in], bias) -> frozen x -> x W^T + b
+
+
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, scale in the input dtype."""
+    """Llama RMSNorm: normalise in float32, scale in the input dtype (float32 inference: torch's fused kernel,
+    bitwise equal to the composite)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -24,8 +31,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+def frozen_product(make: MakeProduct, layers: list[nn.Linear]) -> Product:
+    """One product for several linear layers that read the same input (their outputs side by side), for inference."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])  # [sum out, in]
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return make(weight, bias)
+
+
+def check_inference(layer: nn.Module, what: str) -> None:
+    """A fused product is a frozen copy: refuse to run it where the weights it copies would be trained."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters()):
+        raise RuntimeError(f"{what}: the fused product is for inference; it does not follow training updates")
 
 
 class KVCache:
@@ -102,6 +125,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             self.heads * self.head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
         )
+        self.qkv: Product | None = None  # serving: q, k and v as one product (`fuse`)
+
+    def fuse(self, make: MakeProduct) -> None:
+        """Serve q, k and v as one product built by `make` (inference only from here)."""
+        self.qkv = frozen_product(make, [self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -112,9 +140,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [B, Q, in]; mask: [B, 1, Q, S] bool over all S keys after this append -> [B, Q, d]."""
         b, q_len, _ = x.shape
-        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim).transpose(1, 2)  # [B, H, Q, hd]
-        k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, Q, hd]
-        v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            check_inference(self, "q/k/v")
+            q, k, v = self.qkv(x).split([self.heads * self.head_dim, *(2 * [self.kv_heads * self.head_dim])], dim=-1)
+        q = q.view(b, q_len, self.heads, self.head_dim).transpose(1, 2)  # [B, H, Q, hd]
+        k = k.view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, Q, hd]
+        v = v.view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -132,6 +165,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACT2FN[config.hidden_act]
+        self.gate_up: Product | None = None  # serving: gate and up as one product (`fuse`)
+
+    def fuse(self, make: MakeProduct) -> None:
+        """Serve gate and up as one product built by `make` (inference only from here)."""
+        self.gate_up = frozen_product(make, [self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        check_inference(self, "gate/up")
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)

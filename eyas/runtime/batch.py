@@ -1,26 +1,29 @@
-"""Packing several sessions' rows into one forward, and gathering the calls of concurrent requests.
+"""Packing several sessions' rows into one forward, and driving many operations so that their forwards batch.
 
 `pack` lays the rows of B calls out as [B, N] (N = the longest call; shorter calls are padded, and
 their pads write no KV), with a [B, 1, N, K] mask in which each row sees only its own slot's
 positions that its call marks visible: a request's rows never see another request's.
-`Batcher` lets one thread per request call `run` as if alone, while the calls that are waiting at
-the same moment run as one batch (see docs/runtime.md). While several requests step together their
-batches all run on one compute thread of their `Rendezvous`.
+`Lockstep` drives many session operations (`eyas.steps`) on one thread: at each step the forwards
+they wait on run as one batch per model. `Scheduler` is a worker's compute thread: a lockstep that
+operations join as their calls arrive (continuous batching, docs/runtime.md).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any
 
 import torch
 
+from ..steps import Forward, Steps
 from .kv import KVPool, SlotBatch
+
+MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
 
 
 @dataclass
@@ -84,150 +87,134 @@ def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return list(torch.split(x, lengths))
 
 
-Call = TypeVar("Call")
-Result = TypeVar("Result")
+class Operation:
+    """One operation driven by a `Lockstep`: its result or error once done, and the seconds it spent waiting for
+    batch-mates (from asking for a forward to the start of the batch that ran it)."""
 
+    __slots__ = ("steps", "done", "forward", "asked", "waited", "result", "error")
 
-class _Entry:
-    __slots__ = ("call", "result", "error", "done", "started")
-
-    def __init__(self, call):
-        self.call = call
-        self.started = 0.0
-        self.result = None
+    def __init__(self, steps: Steps, done: Callable[["Operation"], None]):
+        self.steps = steps
+        self.done = done
+        self.forward: Forward | None = None
+        self.asked = 0.0
+        self.waited = 0.0
+        self.result: Any = None
         self.error: BaseException | None = None
-        self.done = False
 
 
-class Rendezvous:
-    """Who may still submit work: the requests that are stepping together.
+class Lockstep:
+    """Drives many operations on the calling thread: each `step` runs, per model, one batch over the calls that the
+    waiting operations ask for, then resumes those operations until they ask again or finish.
 
-    A batcher runs its waiting calls as soon as no registered request is busy elsewhere (every one
-    is waiting on some batcher), so the requests of `Engine.generate_batch` fall into lockstep and
-    each phase of every round runs as one batch. With nobody registered a call runs at once.
-
-    With more than one request registered, every batch runs on the rendezvous' one compute thread rather
-    than on the thread of whichever request arrived last: torch's OpenMP workers belong to the thread
-    that starts a parallel region, so batches started from many threads leave several teams of workers
-    spinning over the same cores (8 requests stepping together on 2 cores: 8% more tokens/s on one thread).
+    A batch takes calls in arrival order up to `max_rows` rows (at least one call); an operation left out waits at
+    the front for the next step, so every operation is served in turn. A failing batch raises in each of its
+    operations, not in the driver.
     """
 
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.parties = 0
-        self.waiting = 0
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="eyas-compute")
-
-    def execute(self, run: Callable[[list], list], calls: list) -> list:
-        """`run(calls)` on the compute thread while requests step together, else on the calling thread."""
-        if self.parties <= 1:
-            return run(calls)
-        return self._compute.submit(run, calls).result()
-
-    def join(self) -> None:
-        with self.cond:
-            self.parties += 1
-
-    def leave(self) -> None:
-        with self.cond:
-            self.parties -= 1
-            self.cond.notify_all()
-
-    def idle(self) -> bool:
-        return self.waiting >= self.parties
-
-    @contextmanager
-    def blocked(self) -> Iterator[None]:
-        """Count the calling party as waiting while it blocks outside any batcher (e.g. on another thread's work),
-        so that batchers do not wait for it."""
-        with self.cond:
-            self.waiting += 1
-            self.cond.notify_all()
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.waiting -= 1
-
-
-_waited = threading.local()
-
-
-def batch_wait_seconds() -> float:
-    """Seconds this thread has spent waiting for batch-mates since it last asked (the batching delay)."""
-    seconds = getattr(_waited, "seconds", 0.0)
-    _waited.seconds = 0.0
-    return seconds
-
-
-class Batcher(Generic[Call, Result]):
-    """Runs `run(calls) -> results` over the calls of every thread waiting at the same time.
-
-    `rows(call)` and `max_rows` bound a batch: calls beyond the budget wait for the next one, in
-    arrival order, so every waiting request is served in turn.
-    """
-
-    def __init__(
-        self,
-        run: Callable[[list[Call]], list[Result]],
-        rendezvous: Rendezvous,
-        rows: Callable[[Call], int] = lambda call: 1,
-        max_rows: int | None = None,
-    ):
-        self.run_batch = run
-        self.rendezvous = rendezvous
-        self.rows = rows
+    def __init__(self, max_rows: int = MAX_BATCH_ROWS):
         self.max_rows = max_rows
-        self.queue: list[_Entry] = []
-        self.batches = 0  # batched runs so far, and the calls they served
+        self.waiting: list[Operation] = []
+        self.batches = 0  # batched forwards so far, and the calls they served
         self.calls = 0
 
-    def _take(self) -> list[_Entry]:
-        """The longest prefix of the queue within the row budget (at least one call)."""
-        taken, rows = 0, 0
-        for entry in self.queue:
-            rows += self.rows(entry.call)
-            if taken and self.max_rows is not None and rows > self.max_rows:
-                break
-            taken += 1
-        batch, self.queue = self.queue[:taken], self.queue[taken:]
-        return batch
+    def __len__(self) -> int:
+        """Operations not finished yet."""
+        return len(self.waiting)
 
-    def run(self, call: Call) -> Result:
-        entry = _Entry(call)
-        meet = self.rendezvous
-        arrived = time.perf_counter()
-        with meet.cond:
-            self.queue.append(entry)
-            meet.waiting += 1
-            while not entry.done:
-                if self.queue and entry in self.queue and meet.idle():
-                    batch = self._take()
-                    meet.waiting -= len(batch)  # busy from now on: nobody else batches until they are back
-                    meet.cond.release()
-                    try:
-                        self._execute(batch)
-                    finally:
-                        meet.cond.acquire()
-                    meet.cond.notify_all()
-                else:
-                    meet.cond.wait()
-        _waited.seconds = getattr(_waited, "seconds", 0.0) + entry.started - arrived
-        if entry.error is not None:
-            raise entry.error
-        return entry.result
+    def add(self, steps: Steps, done: Callable[[Operation], None] = lambda op: None) -> Operation:
+        """Start an operation: it runs until its first forward (or to its end, calling `done`)."""
+        op = Operation(steps, done)
+        self._resume(op, None, None)
+        return op
 
-    def _execute(self, batch: list[_Entry]) -> None:
-        started = time.perf_counter()
-        for e in batch:
-            e.started = started
-        self.batches += 1
-        self.calls += len(batch)
+    def step(self) -> None:
+        """One batch per model over the waiting calls, then every served operation resumes."""
+        batches: dict[int, list[Operation]] = {}
+        rows: dict[int, int] = {}
+        for op in self.waiting:
+            runner = op.forward.runner
+            key = id(runner)
+            n = runner.rows(op.forward.call)
+            if key in batches and rows[key] + n > self.max_rows:
+                continue
+            batches.setdefault(key, []).append(op)
+            rows[key] = rows.get(key, 0) + n
+        served = {id(op) for batch in batches.values() for op in batch}
+        self.waiting = [op for op in self.waiting if id(op) not in served]
+        answers = []
+        for batch in batches.values():
+            started = time.perf_counter()
+            for op in batch:
+                op.waited += started - op.asked
+            self.batches += 1
+            self.calls += len(batch)
+            try:
+                results = batch[0].forward.runner.run([op.forward.call for op in batch])
+            except BaseException as exc:  # every operation of the batch sees the failure
+                answers += [(op, None, exc) for op in batch]
+            else:
+                answers += [(op, result, None) for op, result in zip(batch, results)]
+        for op, result, error in answers:
+            self._resume(op, result, error)
+
+    def _resume(self, op: Operation, result: Any, error: BaseException | None) -> None:
         try:
-            results = self.rendezvous.execute(self.run_batch, [e.call for e in batch])
-        except BaseException as exc:  # every caller of the batch sees the failure
-            for e in batch:
-                e.error, e.done = exc, True
+            op.forward = op.steps.throw(error) if error is not None else op.steps.send(result)
+        except StopIteration as stop:
+            op.result = stop.value
+        except BaseException as exc:
+            op.error = exc
+        else:
+            op.asked = time.perf_counter()
+            self.waiting.append(op)
             return
-        for e, result in zip(batch, results):
-            e.result, e.done = result, True
+        op.done(op)
+
+    def run(self, operations: list[Steps]) -> list[Any]:
+        """Drive `operations` to their ends together; their results in order (the first error is raised)."""
+        ops = [self.add(steps) for steps in operations]
+        while self.waiting:
+            self.step()
+        for op in ops:
+            if op.error is not None:
+                raise op.error
+        return [op.result for op in ops]
+
+
+class Scheduler:
+    """A worker's compute thread: operations submitted from any thread join one lockstep as they arrive, so the
+    forwards of the calls in flight together run as one batch per model (continuous batching).
+
+    At most `max_ops` operations run at once; later ones wait in arrival order. `submit` returns a future of the
+    finished `Operation` (its result or error, and its seconds spent waiting for batch-mates).
+    """
+
+    def __init__(self, name: str, max_ops: int = 64, max_rows: int = MAX_BATCH_ROWS):
+        self.max_ops = max_ops
+        self.lockstep = Lockstep(max_rows)
+        self._incoming: deque[tuple[Steps, Future]] = deque()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, steps: Steps) -> "Future[Operation]":
+        future: Future = Future()
+        with self._cond:
+            self._incoming.append((steps, future))
+            self._cond.notify()
+        return future
+
+    def _loop(self) -> None:
+        lockstep = self.lockstep
+        while True:
+            with self._cond:
+                while not self._incoming and not lockstep.waiting:
+                    self._cond.wait()
+                arrived = []
+                while self._incoming and len(lockstep) + len(arrived) < self.max_ops:
+                    arrived.append(self._incoming.popleft())
+            for steps, future in arrived:
+                lockstep.add(steps, lambda op, future=future: future.set_result(op))
+            if lockstep.waiting:
+                lockstep.step()

@@ -75,11 +75,13 @@ class PackedLinear(nn.Module):
         return self.linear(x)
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """Replace every `nn.Linear` inside `module` (in place) by a `PackedLinear`; for modules that only infer."""
+def pack_linears(module: nn.Module, skip: frozenset[int] = frozenset()) -> nn.Module:
+    """Replace every `nn.Linear` inside `module` (in place) by a `PackedLinear`, but those whose id is in `skip`
+    (served otherwise); for modules that only infer."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
+            if id(child) not in skip:
+                setattr(module, name, PackedLinear(child))
         else:
-            pack_linears(child)
+            pack_linears(child, skip)
     return module
