@@ -95,8 +95,9 @@ class DraftModel:
         asking = [i for i, c in enumerate(calls) if c.top_k]
         if asking:
             k = max(calls[i].top_k for i in asking)
-            tokens, probs = self.drafter.top_candidates(torch.cat([states[i] for i in asking]), k)  # [R', k]
-            lengths = [packed.lengths[i] for i in asking]
+            rows = [states[i][-1:] if calls[i].top_k_last else states[i] for i in asking]
+            tokens, probs = self.drafter.top_candidates(torch.cat(rows), k)  # [R', k]
+            lengths = [r.shape[0] for r in rows]
             for i, t, p in zip(asking, split_rows(tokens, lengths), split_rows(probs, lengths)):
                 results[i].tokens, results[i].probs = t[:, : calls[i].top_k], p[:, : calls[i].top_k]
         return results
@@ -194,21 +195,25 @@ class DraftSession:
         self.version = version + 1
         self.last_reseed = (version, tuple(tokens))
 
-    def _run_pending(self) -> Steps[None]:
-        """Run the queued verified rows causally on top of the committed draft KV; they become committed."""
+    def _run_pending(self, top_k: int = 0) -> Steps[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Run the queued verified rows causally on top of the committed draft KV; they become committed. With
+        `top_k`, returns the new root's top-k children candidates ([1, k] ids and probabilities) from the same pass,
+        None when nothing was pending."""
         self.written = self.committed
         if self.pending_state is None:
-            return
+            return None
         m = len(self.pending_tokens)
         visible = torch.ones(m, self.committed + m, dtype=torch.bool)
         visible[:, self.committed :] = torch.ones(m, m, dtype=torch.bool).tril()
         positions = torch.arange(self.committed, self.committed + m)
-        out = yield from self._run(RowsCall(self.slot, self.committed, torch.tensor(self.pending_tokens), positions, visible, self.pending_state))
+        tokens = torch.tensor(self.pending_tokens)
+        out = yield from self._run(RowsCall(self.slot, self.committed, tokens, positions, visible, self.pending_state, top_k, True))
         self.committed += m
         self.root_state = out.states[-1]
         self.root_token = self.pending_tokens[-1]
         self.pending_state = None
         self.pending_tokens = []
+        return None if out.tokens is None else (out.tokens, out.probs)
 
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
         """`propose_steps` run alone."""
@@ -236,17 +241,25 @@ class DraftSession:
             self.written = hit.end
             grown = hit
         else:
-            yield from self._run_pending()
-            grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy)
+            drafting = policy.depth > 0 and policy.budget > 0
+            candidates = yield from self._run_pending(policy.width if drafting else 0)
+            grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy, candidates)
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
             self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy))
         return grown.proposal
 
     def _grow(
-        self, root_token: int, root_state: torch.Tensor | None, base_rows: list[int], prefix_len: int, policy: TreePolicy
+        self,
+        root_token: int,
+        root_state: torch.Tensor | None,
+        base_rows: list[int],
+        prefix_len: int,
+        policy: TreePolicy,
+        root_candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Steps["Grown"]:
         """Expand a tree from `root_state` whose nodes also see the draft rows `base_rows`, for a target prefix of
-        `prefix_len` rows; the expansion rows are scratch after `written`."""
+        `prefix_len` rows; the expansion rows are scratch after `written`. `root_candidates`: the root's top-width
+        children ([1, width] ids, probabilities) when the pass that made `root_state` already gave them."""
         tree = DraftTree(root_token)
         states = {0: root_state}  # node -> drafter output predicting its children
         path_rows: dict[int, list[int]] = {0: list(base_rows)}  # expanded node -> draft-KV rows of its path
@@ -257,7 +270,7 @@ class DraftSession:
         tree_seconds = 0.0
         for depth in range(policy.depth):
             if depth == 0:
-                tokens, probs = self.drafter.top_candidates(root_state[None], policy.width)  # [1, width]
+                tokens, probs = root_candidates or self.drafter.top_candidates(root_state[None], policy.width)  # [1, width]
             else:
                 expanded = tree.expandable(policy.width)
                 out = yield from self._expand(tree, expanded, states, path_rows, prefix_len, policy.width)

@@ -37,6 +37,7 @@ class RowsCall:
     visible: torch.Tensor  # [N, start + N] bool
     states: torch.Tensor | None = None  # [N, d] drafter input states
     top_k: int = 0  # a drafter call: also return each row's top-k next-token candidates, from the same pass
+    top_k_last: bool = False  # ... of its last row only
 
 
 @dataclass
@@ -104,19 +105,25 @@ class Operation:
 
 
 class Lockstep:
-    """Drives many operations on the calling thread: each `step` runs, per model, one batch over the calls that the
-    waiting operations ask for, then resumes those operations until they ask again or finish.
+    """Drives many operations on the calling thread: each `step` runs one model's batch over the calls the waiting
+    operations ask of it, then resumes those operations until they ask again or finish.
 
-    A batch takes calls in arrival order up to `max_rows` rows (at least one call); an operation left out waits at
-    the front for the next step, so every operation is served in turn. A failing batch raises in each of its
-    operations, not in the driver.
+    A step serves the model whose batches have been cheapest so far (a drafter before a target): the operations
+    asking for the dearer model wait until the others catch up, so requests whose rounds drift out of phase fall
+    back into it and each drafting level does not also pay for a verification; a model passed over `MAX_SKIPS`
+    steps in a row runs next. A batch takes calls in arrival order up to `max_rows` rows (at least one call); an
+    operation left out waits at the front. A failing batch raises in each of its operations, not in the driver.
     """
+
+    MAX_SKIPS = 16
 
     def __init__(self, max_rows: int = MAX_BATCH_ROWS):
         self.max_rows = max_rows
         self.waiting: list[Operation] = []
         self.batches = 0  # batched forwards so far, and the calls they served
         self.calls = 0
+        self._seconds: dict[int, float] = {}  # model -> mean seconds of its batches (a running average)
+        self._skipped: dict[int, int] = {}  # model -> steps it has waited since its last batch
 
     def __len__(self) -> int:
         """Operations not finished yet."""
@@ -129,32 +136,36 @@ class Lockstep:
         return op
 
     def step(self) -> None:
-        """One batch per model over the waiting calls, then every served operation resumes."""
-        batches: dict[int, list[Operation]] = {}
-        rows: dict[int, int] = {}
+        """One batch of one model over the calls waiting for it, then every served operation resumes."""
+        asked = {id(op.forward.runner) for op in self.waiting}
+        overdue = [key for key in asked if self._skipped.get(key, 0) >= self.MAX_SKIPS]
+        key = overdue[0] if overdue else min(asked, key=lambda k: self._seconds.get(k, 0.0))
+        batch, rows, kept = [], 0, []
         for op in self.waiting:
-            runner = op.forward.runner
-            key = id(runner)
-            n = runner.rows(op.forward.call)
-            if key in batches and rows[key] + n > self.max_rows:
-                continue
-            batches.setdefault(key, []).append(op)
-            rows[key] = rows.get(key, 0) + n
-        served = {id(op) for batch in batches.values() for op in batch}
-        self.waiting = [op for op in self.waiting if id(op) not in served]
-        answers = []
-        for batch in batches.values():
-            started = time.perf_counter()
-            for op in batch:
-                op.waited += started - op.asked
-            self.batches += 1
-            self.calls += len(batch)
-            try:
-                results = batch[0].forward.runner.run([op.forward.call for op in batch])
-            except BaseException as exc:  # every operation of the batch sees the failure
-                answers += [(op, None, exc) for op in batch]
-            else:
-                answers += [(op, result, None) for op, result in zip(batch, results)]
+            if id(op.forward.runner) == key:
+                n = op.forward.runner.rows(op.forward.call)
+                if not batch or rows + n <= self.max_rows:
+                    batch.append(op)
+                    rows += n
+                    continue
+            kept.append(op)
+        self.waiting = kept
+        for other in asked - {key}:
+            self._skipped[other] = self._skipped.get(other, 0) + 1
+        self._skipped[key] = 0
+        started = time.perf_counter()
+        for op in batch:
+            op.waited += started - op.asked
+        self.batches += 1
+        self.calls += len(batch)
+        try:
+            results = batch[0].forward.runner.run([op.forward.call for op in batch])
+        except BaseException as exc:  # every operation of the batch sees the failure
+            answers = [(op, None, exc) for op in batch]
+        else:
+            answers = [(op, result, None) for op, result in zip(batch, results)]
+        seconds = time.perf_counter() - started
+        self._seconds[key] = seconds if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * seconds
         for op, result, error in answers:
             self._resume(op, result, error)
 
