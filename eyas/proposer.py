@@ -23,7 +23,7 @@ from .rounds import Proposal
 from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
-from .runtime.linear import Linear, PackedLinear, pack_linears
+from .runtime.linear import Linear, PackedLinear, pack_linears, packs
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -76,6 +76,7 @@ class DraftModel:
         slot_len = max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
+        self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to the row buckets of the oneDNN products
 
     def rows(self, call: RowsCall) -> int:
         """Rows `call` adds to a batch (its share of the row budget)."""
@@ -88,7 +89,7 @@ class DraftModel:
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
         """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
         their rows' top-k candidates (one LM-head pass over the rows of all of them)."""
-        packed = pack(calls, self.pool)
+        packed = pack(calls, self.pool, self.bucketed)
         out = self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)  # [B, N, d]
         states = split_rows(packed.rows(out), packed.lengths)
         results = [DraftRows(s) for s in states]

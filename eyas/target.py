@@ -24,6 +24,7 @@ from .rounds import Verification
 from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVPool
+from .runtime.linear import packs
 from .runtime.model import CausalLM
 from .runtime.shard import Lockstep, Shard
 from .sampling import SamplingParams
@@ -79,6 +80,7 @@ class TargetModel:
         slot_len = self.max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(model.dtype, model.device)
         self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
+        self.bucketed = packs(model.dtype, model.device)  # batches padded to the row buckets of the oneDNN products
         self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
 
     @property
@@ -178,7 +180,7 @@ class TargetModel:
     @torch.no_grad()
     def run_local(self, calls: list[TargetCall]) -> list[TargetOutput]:
         """`run` on this rank's shard."""
-        packed = pack([c.rows for c in calls], self.pool)
+        packed = pack([c.rows for c in calls], self.pool, self.bucketed)
         out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
         hidden = packed.rows(out.hidden)  # [R, d]
         features = hidden if not self.taps else torch.cat([packed.rows(t) for t in out.taps], dim=-1)  # [R, F]

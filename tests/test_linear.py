@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.runtime.linear import MAX_PACKED_ROWS, Linear, PackedLinear, pack_linears, row_bucket
+from eyas.runtime.linear import MAX_PACKED_ROWS, Linear, PackedLinear, bucketed_rows, pack_linears, row_bucket
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -28,6 +28,16 @@ def test_row_buckets_pad_little_and_stay_few():
     assert all(row_bucket(r) == r for r in range(1, 9))
     assert all(r <= row_bucket(r) <= 1.25 * r for r in range(1, 4097))
     assert len(buckets) <= 24
+
+
+def test_a_batch_pads_its_calls_to_a_bucket_by_a_quarter_at_most():
+    for calls in range(1, 17):
+        for rows in range(1, 129):
+            n = bucketed_rows(calls, rows)
+            assert rows <= n <= rows + rows // 4
+            if n != rows:  # padded: exactly onto a bucket
+                assert row_bucket(calls * n) == calls * n <= MAX_PACKED_ROWS
+    assert bucketed_rows(1, 13) == 14 and bucketed_rows(8, 5) == 5 and bucketed_rows(1, 200) == 200
 
 
 def test_packed_linear_serves_and_refuses_training():

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas.manifest import FeatureAddress
 from eyas.runtime import KVCapacityError
+from eyas.runtime.linear import bucketed_rows
 from eyas.sampling import SamplingParams
 from eyas.target import TargetModel, TargetSession
 from eyas.tree import DraftTree, flatten
@@ -116,6 +117,27 @@ def test_a_batch_of_sessions_equals_each_session_alone(tmp_path):
         assert torch.equal(one.logits.argmax(-1), many.logits.argmax(-1))
         logits, _ = reference(hf, prompt + [int(tree.tokens[0])])
         assert torch.allclose(many.logits[0], logits[-1], atol=ATOL)
+
+
+def test_rows_padded_to_a_bucket_change_no_real_row(tmp_path):
+    """A forward padded to a row bucket (pad rows write no KV and see one key) gives every real row exactly what the
+    unpadded forward gives it, and leaves the KV as the unpadded one does."""
+    _, target = build(tmp_path, "llama")
+    session = TargetSession(target)
+    session.prefill(0, PROMPT[:-1])
+    chain = DraftTree(7)
+    for token in range(1, 13):  # 13 rows: a forward pads them to the bucket of 14
+        chain.add_children([len(chain) - 1], [(len(chain) - 1, token, 0.5)])
+    tree = flatten(chain, chain.select(12), session.committed)
+    assert bucketed_rows(1, tree.num_rows) > tree.num_rows
+    call = target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+    outs, kvs = [], []
+    for bucketed in (False, True):
+        target.bucketed = bucketed
+        outs.append(target.run([call])[0])
+        kvs.append(target.pool.kv[:, :, session.slot].clone())
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].features, outs[1].features)
+    assert torch.equal(kvs[0], kvs[1])
 
 
 def test_moe_verification_reports_the_union_of_routed_experts(tmp_path):

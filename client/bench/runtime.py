@@ -87,11 +87,11 @@ def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_
         for rows in rows_list:
             tree = chain_tree(context[-1], rows, len(context))
             call = target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
-            packed = pack([call.rows], target.pool)
+            packed = pack([call.rows], target.pool, target.bucketed)
             out = target.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, target.taps)
             logits = target.runtime.logits(packed.rows(out.hidden)).cpu()
             phases = {
-                "pack_ms": median_ms(lambda: pack([call.rows], target.pool), repeats),
+                "pack_ms": median_ms(lambda: pack([call.rows], target.pool, target.bucketed), repeats),
                 "layers_ms": median_ms(lambda: target.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, target.taps), repeats),
                 "lm_head_ms": median_ms(lambda: target.runtime.logits(packed.rows(out.hidden)), repeats),
                 "decide_ms": median_ms(lambda: decide(tree, logits, SamplingParams()), repeats),

@@ -22,6 +22,7 @@ import torch
 
 from ..steps import Forward, Steps
 from .kv import KVPool, SlotBatch
+from .linear import bucketed_rows
 
 MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
 
@@ -56,16 +57,19 @@ class Packed:
         return torch.cat([x[b, :n] for b, n in enumerate(self.lengths)])
 
 
-def pack(calls: list[RowsCall], pool: KVPool) -> Packed:
-    """Lay `calls` out as one padded batch over `pool`."""
+def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False) -> Packed:
+    """Lay `calls` out as one padded batch over `pool`; `bucketed`: pad each call's rows (by at most 25%) so that the
+    batch's rows are a bucket of `Linear`'s, whose products then pad nothing themselves (runtime/linear.py)."""
     lengths = [int(c.tokens.shape[0]) for c in calls]
     kv = pool.batch([c.slot for c in calls], [c.start for c in calls], lengths)
     device = pool.device
-    if len(calls) == 1:
+    b, n = len(calls), max(lengths)
+    if bucketed:
+        n = bucketed_rows(b, n)
+    if b == 1 and n == lengths[0]:
         call = calls[0]
         states = None if call.states is None else call.states[None].to(device)
         return Packed(call.tokens[None].to(device), call.positions[None].to(device), call.visible[None, None].to(device), states, lengths, kv)
-    b, n = len(calls), max(lengths)
     tokens = torch.zeros(b, n, dtype=torch.long)
     positions = torch.zeros(b, n, dtype=torch.long)
     mask = torch.zeros(b, 1, n, kv.key_len, dtype=torch.bool)

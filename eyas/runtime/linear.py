@@ -27,9 +27,25 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether products in `dtype` on `device` go through oneDNN at bucketed row counts (CPU float32)."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def bucketed_rows(calls: int, rows: int) -> int:
+    """Rows per call (at least `rows`, at most 25% more) such that `calls` x rows is a bucket, so the products of a
+    batch padded to it run without padding of their own; `rows` when no such count exists."""
+    if calls * rows > MAX_PACKED_ROWS:
+        return rows
+    for n in range(rows, rows + rows // 4 + 1):
+        if row_bucket(calls * n) == calls * n:
+            return n
+    return rows
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """[out, in] weight -> a copy reordered for oneDNN where that pays (CPU float32), else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if not packs(weight.dtype, weight.device):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
