@@ -443,6 +443,9 @@ class Coordinator:
                         rss_bytes=health.rss_bytes,
                         calls=health.calls,
                         busy_seconds=health.busy_seconds,
+                        forwards=health.forwards,
+                        forward_calls=health.forward_calls,
+                        forward_seconds=health.forward_seconds,
                     )
                 except (grpc.RpcError, WorkerLost):
                     pool.lost(member)

@@ -250,6 +250,9 @@ class Worker:
             rss_bytes=rss_bytes(),
             calls=self.calls,
             busy_seconds=self.busy_seconds,
+            forwards=self.scheduler.lockstep.batches,
+            forward_calls=self.scheduler.lockstep.calls,
+            forward_seconds=self.scheduler.lockstep.seconds,
         ).SerializeToString()
 
     def release(self, msg: pb.Release, clock: Clock) -> pb.Released:

@@ -27,6 +27,7 @@ from eyas.assets import demo_model
 from eyas.client.client import Client
 from eyas.cluster.service import Service
 from eyas.engine import Engine
+from eyas.tree import TreePolicy
 
 from .harness import prompts_for
 from .peers import VllmRunner, choose_vllm_k, export_eagle1_for_vllm
@@ -100,6 +101,7 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
     concurrency gain)."""
     pids = service_pids(client)
     before, cpu = busy_seconds(client), cpu_seconds(pids)
+    counted = forward_counters(client)
     started = time.perf_counter()
 
     def timed(prompt: list[int]) -> tuple[object, float]:  # (result, seconds from the common start)
@@ -111,10 +113,14 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
     wall = time.perf_counter() - started
     cores = (cpu_seconds(pids) - cpu) / wall
     busy = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
+    forwards = {}
+    for pool, (n, calls, seconds) in forward_counters(client).items():
+        n0, calls0, seconds0 = counted[pool]
+        forwards[pool] = {"calls_per_forward": (calls - calls0) / max(1, n - n0), "forward_busy_fraction": (seconds - seconds0) / wall}
     tokens_per_s = sum(len(r.token_ids) for r in results) / wall
     latency = dict(zip(("p50", "p99"), percentiles(latencies, (50, 99))))
-    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "cores": cores,
-            "latency_s": latency}
+    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "forwards": forwards,
+            "cores": cores, "latency_s": latency}
 
 
 def percentiles(values: list[float], ranks: tuple[float, ...]) -> list[float]:
@@ -127,6 +133,15 @@ def busy_seconds(client: Client) -> dict[str, float]:
     """Compute seconds each pool's workers have spent serving calls, per worker on average."""
     pools = client.status()["pools"]
     return {p["name"]: sum(w["busy_seconds"] for w in p["workers"]) / len(p["workers"]) for p in pools}
+
+
+def forward_counters(client: Client) -> dict[str, tuple[int, int, float]]:
+    """Per pool, summed over its workers: batched forwards run, calls they served, and their wall seconds."""
+    pools = client.status()["pools"]
+    return {
+        p["name"]: tuple(sum(w[key] for w in p["workers"]) for key in ("forwards", "forward_calls", "forward_seconds"))
+        for p in pools
+    }
 
 
 def vllm_eagle(target: str, prompts: list[list[int]], max_new_tokens: int, k: int | None, repeats: int) -> dict:
@@ -156,6 +171,8 @@ def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
 
     config = ServiceConfig.load(None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead)
+    if args.tree:
+        config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
     target, drafter = config.models()
     torch.set_num_threads(1)  # as each worker runs
     engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
@@ -214,6 +231,10 @@ def run(args: argparse.Namespace) -> dict:
             f"service_{args.requests}_concurrent_tokens_per_s": many,
             "concurrency_gain": many / one,
             "concurrent_busy_fraction_per_worker": {pool: median(parallel, "busy", pool) for pool in ("draft", "target")},
+            "concurrent_forwards": {
+                pool: {key: median(parallel, "forwards", pool, key) for key in ("calls_per_forward", "forward_busy_fraction")}
+                for pool in ("draft", "target")
+            },
             "concurrent_cpu_cores_used_by_service": median(parallel, "cores"),
             "concurrent_request_latency_s": {q: median(parallel, "latency_s", q) for q in ("p50", "p99")},
         },

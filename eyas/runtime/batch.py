@@ -124,8 +124,9 @@ class Lockstep:
     def __init__(self, max_rows: int = MAX_BATCH_ROWS):
         self.max_rows = max_rows
         self.waiting: list[Operation] = []
-        self.batches = 0  # batched forwards so far, and the calls they served
+        self.batches = 0  # batched forwards so far, the calls they served and their wall seconds
         self.calls = 0
+        self.seconds = 0.0
         self._seconds: dict[int, float] = {}  # model -> mean seconds of its batches (a running average)
         self._skipped: dict[int, int] = {}  # model -> steps it has waited since its last batch
 
@@ -139,11 +140,15 @@ class Lockstep:
         self._resume(op, None, None)
         return op
 
-    def step(self) -> None:
-        """One batch of one model over the calls waiting for it, then every served operation resumes."""
+    def _next(self) -> tuple[int, set[int]]:
+        """The model the next step serves, and every model asked for."""
         asked = {id(op.forward.runner) for op in self.waiting}
         overdue = [key for key in asked if self._skipped.get(key, 0) >= self.MAX_SKIPS]
-        key = overdue[0] if overdue else min(asked, key=lambda k: self._seconds.get(k, 0.0))
+        return (overdue[0] if overdue else min(asked, key=lambda k: self._seconds.get(k, 0.0))), asked
+
+    def step(self) -> None:
+        """One batch of one model over the calls waiting for it, then every served operation resumes."""
+        key, asked = self._next()
         batch, rows, kept = [], 0, []
         for op in self.waiting:
             if id(op.forward.runner) == key:
@@ -169,6 +174,7 @@ class Lockstep:
         else:
             answers = [(op, result, None) for op, result in zip(batch, results)]
         seconds = time.perf_counter() - started
+        self.seconds += seconds
         self._seconds[key] = seconds if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * seconds
         for op, result, error in answers:
             self._resume(op, result, error)
@@ -220,16 +226,20 @@ class Scheduler:
             self._cond.notify()
         return future
 
+    def _admit(self, timeout: float | None = None) -> None:
+        """Start the operations that have arrived (waiting up to `timeout` for one when none has, None: for ever)."""
+        with self._cond:
+            if not self._incoming:
+                self._cond.wait(timeout)
+            arrived = []
+            while self._incoming and len(self.lockstep) + len(arrived) < self.max_ops:
+                arrived.append(self._incoming.popleft())
+        for steps, future in arrived:
+            self.lockstep.add(steps, lambda op, future=future: future.set_result(op))
+
     def _loop(self) -> None:
         lockstep = self.lockstep
         while True:
-            with self._cond:
-                while not self._incoming and not lockstep.waiting:
-                    self._cond.wait()
-                arrived = []
-                while self._incoming and len(lockstep) + len(arrived) < self.max_ops:
-                    arrived.append(self._incoming.popleft())
-            for steps, future in arrived:
-                lockstep.add(steps, lambda op, future=future: future.set_result(op))
+            self._admit(None if not lockstep.waiting else 0.0)
             if lockstep.waiting:
                 lockstep.step()

@@ -216,7 +216,7 @@ class WorkerHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds")
+    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "forwards", "forward_calls", "forward_seconds")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,9 @@ class WorkerHealth(_message.Message):
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     manifest_id: str
     sessions: int
@@ -231,4 +234,7 @@ class WorkerHealth(_message.Message):
     rss_bytes: int
     calls: int
     busy_seconds: float
-    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    forwards: int
+    forward_calls: int
+    forward_seconds: float
+    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...

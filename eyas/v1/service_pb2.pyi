@@ -141,7 +141,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "state", "node_id", "address", "pid", "assigned", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "ranks")
+    __slots__ = ("worker_id", "state", "node_id", "address", "pid", "assigned", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "ranks", "forwards", "forward_calls", "forward_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,9 @@ class WorkerStatus(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: str
     node_id: str
@@ -166,7 +169,10 @@ class WorkerStatus(_message.Message):
     calls: int
     busy_seconds: float
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., assigned: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+    forwards: int
+    forward_calls: int
+    forward_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., assigned: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node_id", "pid", "device", "weight_bytes", "kv_pool_bytes")
