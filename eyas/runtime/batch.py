@@ -131,7 +131,7 @@ class Lockstep:
         self._skipped: dict[int, int] = {}  # model -> steps it has waited since its last batch
 
     def __len__(self) -> int:
-        """Operations not finished yet."""
+        """Operations waiting at a forward (between steps: every unfinished one)."""
         return len(self.waiting)
 
     def add(self, steps: Steps, done: Callable[[Operation], None] = lambda op: None) -> Operation:
@@ -183,9 +183,9 @@ class Lockstep:
         try:
             op.forward = op.steps.throw(error) if error is not None else op.steps.send(result)
         except StopIteration as stop:
-            op.result = stop.value
+            op.forward, op.result = None, stop.value
         except BaseException as exc:
-            op.error = exc
+            op.forward, op.error = None, exc
         else:
             op.asked = time.perf_counter()
             self.waiting.append(op)
