@@ -24,7 +24,7 @@ from .plain import PLAIN_POLICY, NoDraft
 from .proposer import DraftModel, DraftSession
 from .request import RequestState, StopRules, eos_token_ids, make_sampling, tokenize_prompt
 from .rounds import RoundRecord, round_steps, start_steps
-from .runtime.batch import Lockstep, Operation
+from .runtime.batch import Lockstep, Operation, results
 from .runtime.device import resolve_device, resolve_dtype, stored_dtype
 from .runtime.kv import TREE_HEADROOM
 from .stats import GenerationStats
@@ -259,13 +259,11 @@ class Engine:
         while pending or lockstep.waiting:
             while pending and (not active or self._free_slots(speculate)):
                 active += 1
-                ops.append(lockstep.add(self._steps(pending.popleft(), tree, on_round, writer, speculate, wait, concurrency), finish))
+                steps = self._steps(pending.popleft(), tree, on_round, writer, speculate, wait, concurrency)
+                ops.append(lockstep.add(steps, finish))
             if lockstep.waiting:
                 lockstep.step()
-        for op in ops:
-            if op.error is not None:
-                raise op.error
-        return [op.result for op in ops]
+        return results(ops)
 
     def _free_slots(self, speculate: bool) -> int:
         """Requests that can start now without waiting for a KV slot."""

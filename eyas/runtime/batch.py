@@ -192,15 +192,13 @@ class Lockstep:
             return
         op.done(op)
 
-    def run(self, operations: list[Steps]) -> list[Any]:
-        """Drive `operations` to their ends together; their results in order (the first error is raised)."""
-        ops = [self.add(steps) for steps in operations]
-        while self.waiting:
-            self.step()
-        for op in ops:
-            if op.error is not None:
-                raise op.error
-        return [op.result for op in ops]
+
+def results(ops: list[Operation]) -> list[Any]:
+    """The results of finished operations, in order; the first error among them is raised instead."""
+    for op in ops:
+        if op.error is not None:
+            raise op.error
+    return [op.result for op in ops]
 
 
 class Scheduler:
