@@ -70,7 +70,7 @@ class DraftModel:
             drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head))
         self.drafter = drafter
         self.ahead_trees = ahead_trees
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")  # starts a thread on first use only
+        self._background = None if ahead_runner else ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")
         self.ahead_runner = ahead_runner or self._run_in_background
         attn = drafter.attention
         slot_len = max_seq_len + TREE_HEADROOM
