@@ -11,6 +11,11 @@ high-entropy target decoded greedily) its deep greedy path goes unverified: expl
 alternates the wide tree with a deep chain, and chains are scored on the chain rounds. Expected
 tokens per round over predicted round time picks the policy. Realised acceptance is watched; when it drifts from the prediction, or after a
 while, the tuner explores again.
+
+The costs measured at start are warm and alone; inside rounds the same forwards cost more (the other
+model's weights have left the cache, batch-mates' rows share the forward). Every batched forward the
+engine runs is fed back (`Costs.observe`), and each model's measured curve is scaled by the median
+ratio of what its recent forwards took to what the curve predicted for their rows.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65, 128, 256)  # past 65: several requests' trees in one forward
 DRAFT_ROWS = (1, 2, 4, 8, 16, 32, 64)
+OBSERVED_FORWARDS = 64  # recent forwards per model whose time over the measured curve scales it
+MIN_OBSERVED = 8  # forwards of a model before its scale moves from 1
 
 
 def grid() -> list[TreePolicy]:
@@ -86,6 +93,27 @@ class Costs:
     overhead_per_round: float = 0.0
     overhead_per_row: float = 0.0
     lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
+    observed: dict[str, deque] = field(default_factory=dict)  # "verify" / "draft" -> recent observed / measured ratios
+    scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of those ratios
+
+    def verify_at(self, rows: float) -> float:
+        """Seconds of one target forward over `rows` rows, as measured, scaled by what forwards took in rounds."""
+        return _interpolate(self.verify_rows, self.verify_seconds, rows) * self.scales.get("verify", 1.0)
+
+    def draft_at(self, rows: float) -> float:
+        """Seconds of one drafter forward over `rows` rows, likewise."""
+        return _interpolate(self.draft_rows, self.draft_seconds, rows) * self.scales.get("draft", 1.0)
+
+    def observe(self, kind: str, rows: int, seconds: float) -> None:
+        """Fold in one forward a round ran: `kind` "verify" (the target) or "draft", over `rows` rows in `seconds`.
+        Forwards past the measured rows (a prefill) are left out."""
+        xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
+        if not 0 < rows <= xs[-1]:
+            return
+        ratios = self.observed.setdefault(kind, deque(maxlen=OBSERVED_FORWARDS))
+        ratios.append(seconds / _interpolate(xs, ys, rows))
+        if len(ratios) >= MIN_OBSERVED:
+            self.scales[kind] = statistics.median(ratios)
 
     def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Drafter steps (seed rows, then one step of width rows per further depth), each one forward over the rows
@@ -93,13 +121,11 @@ class Costs:
         if not policy.depth:
             return 0.0
         n = concurrent
-        draft = _interpolate(self.draft_rows, self.draft_seconds, n * seed_rows)
-        return draft + max(0, policy.depth - 1) * _interpolate(self.draft_rows, self.draft_seconds, n * policy.width)
+        return self.draft_at(n * seed_rows) + max(0, policy.depth - 1) * self.draft_at(n * policy.width)
 
     def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """The drafter steps plus one verification, each one forward over the rows of `concurrent` requests."""
-        verify = _interpolate(self.verify_rows, self.verify_seconds, concurrent * (policy.budget + 1))
-        return self.draft_seconds_for(policy, seed_rows, concurrent) + verify
+        return self.draft_seconds_for(policy, seed_rows, concurrent) + self.verify_at(concurrent * (policy.budget + 1))
 
     def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
@@ -344,3 +370,4 @@ class TreeTuner:
         self.since_choice = 0
         self.history.append({"policy": best, "concurrent": concurrent, "tokens_per_round": tokens, "tokens_per_s": rate})
         return best
+

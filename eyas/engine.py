@@ -244,7 +244,7 @@ class Engine:
         """Run `requests` to their ends in lockstep on this thread: at each step the forwards they wait on run as one
         batch per model. A request starts when both KV pools have a free slot for it (the first one also waits for a
         slot when `wait`, else it is refused with KVCapacityError); the first error is raised once all have ended."""
-        lockstep = Lockstep()
+        lockstep = Lockstep(observer=self._observe_forward)
         pending = deque(requests)
         ops: list[Operation] = []
         active = 0
@@ -315,6 +315,13 @@ class Engine:
             draft.close()
         text = self.target.tokenizer.decode(request.output) if self.target.tokenizer is not None else None
         return Generation(request.output, text, request.finish_reason, stats, request.prompt_ids)
+
+    def _observe_forward(self, runner: object, rows: int, seconds: float) -> None:
+        """A batched forward of `rows` rows took `seconds`: tree auto's costs follow what forwards cost in rounds."""
+        kind = "verify" if runner is self.target else "draft" if runner is self.draft else None
+        if kind is not None and self._tuner is not None:
+            with self._tuner_lock:
+                self._tuner.costs.observe(kind, rows, seconds)
 
     def _policy(self, concurrent: int = 1) -> TreePolicy:
         tuner = self.tuner

@@ -10,7 +10,18 @@ from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
-from eyas.autotree import EXPLORE, EXPLORE_CHAIN, LOCKSTEP_ROUNDS, Costs, TreeTuner, expected_accepted, fit_line, grid
+from eyas.autotree import (
+    EXPLORE,
+    EXPLORE_CHAIN,
+    LOCKSTEP_ROUNDS,
+    MIN_OBSERVED,
+    Costs,
+    TreeTuner,
+    _interpolate,
+    expected_accepted,
+    fit_line,
+    grid,
+)
 from eyas.drafters import drafter_config
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
@@ -143,3 +154,31 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     tuner.observe(slow, 8)
     assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050 - 8 * 0.001)
     assert tuner.choice(8).policy.depth < deep.depth and tuner.choice(1).policy == alone
+
+
+def test_costs_follow_what_forwards_took_in_rounds():
+    """Forwards in rounds cost more than the warm measurement alone: once MIN_OBSERVED of a model's forwards are in,
+    its curve is scaled by their median ratio; forwards past the measured rows (a prefill) are left out."""
+    costs = Costs([1, 65], [0.010, 0.020], [1, 16], [0.001, 0.002])
+    for _ in range(MIN_OBSERVED - 1):
+        costs.observe("draft", 16, 0.004)
+    costs.observe("draft", 1000, 1.0)
+    assert costs.draft_at(16) == pytest.approx(0.002)  # not enough forwards yet
+    costs.observe("draft", 1, 0.002)
+    assert costs.draft_at(16) == pytest.approx(0.004) and costs.draft_at(1) == pytest.approx(0.002)
+    assert costs.verify_at(65) == pytest.approx(0.020)  # the target's curve is its own
+    policy = TreePolicy(1, 3, 3)
+    assert costs.draft_seconds_for(policy, 1.0) == pytest.approx(3 * 2 * _interpolate(costs.draft_rows, costs.draft_seconds, 1))
+
+
+def test_the_engine_feeds_its_forwards_to_tree_auto(engine):
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=2)
+    saved = engine.tree, engine._tuner
+    engine.tree, engine._tuner = "auto", tuner
+    try:
+        gen = engine.generate(PROMPT, max_new_tokens=20)
+    finally:
+        engine.tree, engine._tuner = saved
+    assert len(tuner.costs.observed["verify"]) == gen.stats.target_forwards  # the prompt's prefill too: under 65 rows
+    assert len(tuner.costs.observed["draft"]) >= gen.stats.rounds
+    assert set(tuner.costs.scales) == {"verify", "draft"}

@@ -121,8 +121,10 @@ class Lockstep:
 
     MAX_SKIPS = 16
 
-    def __init__(self, max_rows: int = MAX_BATCH_ROWS):
+    def __init__(self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float], None] | None = None):
+        """`observer(runner, rows, seconds)` hears of every batch that ran (e.g. tree auto learning forward costs)."""
         self.max_rows = max_rows
+        self.observer = observer
         self.waiting: list[Operation] = []
         self.batches = 0  # batched forwards so far, the calls they served and their wall seconds
         self.calls = 0
@@ -174,6 +176,8 @@ class Lockstep:
         else:
             answers = [(op, result, None) for op, result in zip(batch, results)]
         seconds = time.perf_counter() - started
+        if self.observer is not None and answers[0][2] is None:
+            self.observer(batch[0].forward.runner, rows, seconds)
         self.seconds += seconds
         self._seconds[key] = seconds if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * seconds
         for op, result, error in answers:
