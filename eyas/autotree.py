@@ -370,4 +370,3 @@ class TreeTuner:
         self.since_choice = 0
         self.history.append({"policy": best, "concurrent": concurrent, "tokens_per_round": tokens, "tokens_per_s": rate})
         return best
-
