@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from .drafters import Drafter
-from .drafters.layers import MLP, Attention
+from .drafters.layers import MLP, Attention, Rope, frozen_product
 from .errors import VersionError
 from .rounds import Proposal
 from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
+from .runtime.model import ACTIVATIONS, attention_block, mlp_block
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -40,17 +41,45 @@ class DraftRows:
     probs: torch.Tensor | None = None
 
 
-def fuse_products(drafter: Drafter) -> frozenset[int]:
-    """Serve every attention's q/k/v and every MLP's gate/up as one product each (inference only); returns the ids of
-    the layers those products replace (they stay, unused, for the state dict)."""
+def serve_attention(attn: Attention) -> None:
+    """Serve `attn` through the runtime's scripted attention (the target's own), over frozen copies of its weights
+    with q/k/v as one product (inference only from here)."""
+    qkv = Linear(*frozen_product([attn.q_proj, attn.k_proj, attn.v_proj]))
+    o = Linear(*frozen_product([attn.o_proj]))
+    heads, kv_heads = attn.heads, attn.kv_heads
+
+    def block(x: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope
+        pool, writes = kv.scripted()
+        return attention_block(
+            x, None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.bias, o.packed,
+            heads, kv_heads, 0.0, cos, sin, mask, pool, writes, 0,
+        )
+
+    attn.serve(block)
+
+
+def serve_mlp(mlp: MLP) -> None:
+    """Serve `mlp` through the runtime's scripted MLP, over frozen copies of its weights with gate/up as one product."""
+    if mlp.act_name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {mlp.act_name!r} is not one of {ACTIVATIONS}")
+    gate_up = Linear(*frozen_product([mlp.gate_proj, mlp.up_proj]))
+    down = Linear(*frozen_product([mlp.down_proj]))
+    act = mlp.act_name
+    mlp.serve(lambda x: mlp_block(x, None, gate_up.weight, gate_up.packed, down.weight, down.packed, act, 0.0))
+
+
+def serve_layers(drafter: Drafter) -> frozenset[int]:
+    """Serve every attention and MLP of `drafter` through the runtime's scripted blocks (inference only); returns the
+    ids of the linear layers they replace (those stay, unused, for the state dict)."""
     replaced = set()
     for module in drafter.modules():
         if isinstance(module, Attention):
-            module.fuse(Linear)
-            replaced |= {id(module.q_proj), id(module.k_proj), id(module.v_proj)}
+            serve_attention(module)
+            replaced |= {id(module.q_proj), id(module.k_proj), id(module.v_proj), id(module.o_proj)}
         elif isinstance(module, MLP):
-            module.fuse(Linear)
-            replaced |= {id(module.gate_proj), id(module.up_proj)}
+            serve_mlp(module)
+            replaced |= {id(module.gate_proj), id(module.up_proj), id(module.down_proj)}
     return frozenset(replaced)
 
 
@@ -65,7 +94,7 @@ class DraftModel:
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
         # inference only from here: every product, the target's head included, on prepacked weights
-        pack_linears(drafter, skip=fuse_products(drafter))
+        pack_linears(drafter, skip=serve_layers(drafter))
         if drafter.bound:
             drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head))
         self.drafter = drafter

@@ -17,8 +17,9 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
-Product = Callable[[torch.Tensor], torch.Tensor]
-MakeProduct = Callable[[torch.Tensor, "torch.Tensor | None"], Product]  # (weight [out, in], bias) -> frozen x -> x W^T + b
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin [B, Q, 1, head_dim] (see `rotate`)
+ServedAttention = Callable[[torch.Tensor, Rope, object, torch.Tensor], torch.Tensor]  # (x, rope, kv, mask) -> [B, Q, d]
+ServedMLP = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -37,18 +38,18 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def frozen_product(make: MakeProduct, layers: list[nn.Linear]) -> Product:
-    """One product for several linear layers that read the same input (their outputs side by side), for inference."""
-    weight = torch.cat([layer.weight.detach() for layer in layers])  # [sum out, in]
+def frozen_product(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linear layers that read the same input (their outputs side by side), as a
+    frozen copy for inference: [sum out, in] and [sum out] or None."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
     biases = [layer.bias for layer in layers]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return make(weight, bias)
+    return weight, None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
 def check_inference(layer: nn.Module, what: str) -> None:
-    """A fused product is a frozen copy: refuse to run it where the weights it copies would be trained."""
+    """A served layer runs frozen copies of its weights: refuse to run it where the weights it copies would be trained."""
     if torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters()):
-        raise RuntimeError(f"{what}: the fused product is for inference; it does not follow training updates")
+        raise RuntimeError(f"{what}: the served layer is for inference; it does not follow training updates")
 
 
 class KVCache:
@@ -79,35 +80,43 @@ class KVCache:
         return per_row * (len(self) if rows is None else rows)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [..., hd] with the half-split convention of Llama checkpoints: x cos + rotate_half(x) sin, where
+    rotate_half(x) = [-x2, x1]; `signed_sin` = [-sin1, sin2] carries the sign, so [x2, x1] * signed_sin is the
+    same product (negation is exact). Plain torch, so TorchScript compiles it inside the runtime's blocks too."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
 
 
 def rotary_tables(rope: LlamaRotaryEmbedding, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin [length, head_dim] for positions 0..length-1, computed as Hugging Face's RoPE computes them
-    for any RoPE variant the config names (inverse frequencies and attention scaling from `rope`)."""
+    """float32 cos and signed sin [length, head_dim] (for `rotate`) for positions 0..length-1, computed as Hugging
+    Face's RoPE computes them for any RoPE variant the config names (inverse frequencies and attention scaling from
+    `rope`)."""
     positions = torch.arange(length, dtype=torch.float32, device=rope.inv_freq.device)
     freqs = positions[:, None] * rope.inv_freq.float()[None]  # [P, head_dim / 2]
     table = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
-    return table.cos() * rope.attention_scaling, table.sin() * rope.attention_scaling
+    cos, sin = table.cos() * rope.attention_scaling, table.sin() * rope.attention_scaling
+    half = sin.shape[-1] // 2
+    sin[:, :half] = -sin[:, :half]
+    return cos, sin
 
 
 class Rotary(nn.Module):
-    """cos/sin for explicit positions, looked up in tables computed once (and regrown when a position passes them)."""
+    """cos and signed sin for explicit positions, looked up in tables computed once (and regrown when a position
+    passes them)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.inner = LlamaRotaryEmbedding(config)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         cos, sin = self._tables.get(dtype, (None, None))
         if cos is None or cos.device != positions.device or int(positions.max()) >= cos.shape[0]:
             length = max(1024, 2 * int(positions.max()) + 1)
             cos, sin = (t.to(device=positions.device, dtype=dtype) for t in rotary_tables(self.inner, length))
             self._tables[dtype] = (cos, sin)
-        return cos[positions][:, None], sin[positions][:, None]  # [B, 1, Q, head_dim]
+        return cos[positions][:, :, None], sin[positions][:, :, None]  # [B, Q, 1, head_dim]
 
 
 class Attention(nn.Module):
@@ -125,32 +134,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             self.heads * self.head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
         )
-        self.qkv: Product | None = None  # serving: q, k and v as one product (`fuse`)
+        self.served: ServedAttention | None = None  # serving: the runtime's attention over frozen copies (`serve`)
 
-    def fuse(self, make: MakeProduct) -> None:
-        """Serve q, k and v as one product built by `make` (inference only from here)."""
-        self.qkv = frozen_product(make, [self.q_proj, self.k_proj, self.v_proj])
+    def serve(self, block: ServedAttention) -> None:
+        """Run inference through `block` (inference only from here)."""
+        self.served = block
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv: KVCache,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [B, Q, in]; mask: [B, 1, Q, S] bool over all S keys after this append -> [B, Q, d]."""
+        """x: [B, Q, in]; mask: [B, 1, Q, S] bool over all S keys after this append -> [B, Q, d]. A served layer runs
+        the runtime's attention over a KV pool; over a growing `KVCache` (training's rollouts) it runs this code."""
+        if self.served is not None and not isinstance(kv, KVCache):
+            check_inference(self, "attention")
+            return self.served(x, rope, kv, mask)
         b, q_len, _ = x.shape
-        if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            check_inference(self, "q/k/v")
-            q, k, v = self.qkv(x).split([self.heads * self.head_dim, *(2 * [self.kv_heads * self.head_dim])], dim=-1)
-        q = q.view(b, q_len, self.heads, self.head_dim).transpose(1, 2)  # [B, H, Q, hd]
-        k = k.view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, KVH, Q, hd]
-        v = v.view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = rotate(self.q_proj(x).view(b, q_len, self.heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, H, Q, hd]
+        k = rotate(self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, KVH, Q, hd]
+        v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
         keys, values = kv.append(k, v)  # [B, KVH, S, hd], in the cache's dtype
         out = F.scaled_dot_product_attention(
             q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
@@ -164,16 +170,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_name = str(config.hidden_act)
         self.act = ACT2FN[config.hidden_act]
-        self.gate_up: Product | None = None  # serving: gate and up as one product (`fuse`)
+        self.served: ServedMLP | None = None  # serving: the runtime's MLP over frozen copies (`serve`)
 
-    def fuse(self, make: MakeProduct) -> None:
-        """Serve gate and up as one product built by `make` (inference only from here)."""
-        self.gate_up = frozen_product(make, [self.gate_proj, self.up_proj])
+    def serve(self, block: ServedMLP) -> None:
+        """Run inference through `block` (inference only from here)."""
+        self.served = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        check_inference(self, "gate/up")
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        if self.served is not None:
+            check_inference(self, "MLP")
+            return self.served(x)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -5,12 +5,13 @@ committed rows are slot positions [0, committed); a tree's rows are written righ
 scratch, so dropping a tree is a length reset and a commit moves only the accepted rows into place.
 """
 
-from __future__ import annotations
-
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+from .script import script
 
 
 TREE_HEADROOM = 256  # slot positions past a request's own tokens, for the scratch rows of one round's tree
@@ -96,6 +97,45 @@ class KVPool:
         return SlotBatch(self, slots, starts, lengths)
 
 
+class Writes(NamedTuple):
+    """Where a batch's new rows go in one layer of the pool and what its attention reads, for `write_and_read`.
+
+    One slot: rows [start, start + length) of `slot`, reading positions [0, key_len). Several slots: the real rows
+    (`src_b`, `src_n`) of the padded [B, N] batch go to (`dst_slot`, `dst_pos`); reads are slots
+    [first, first + count) when those are consecutive, else the slots in `read`.
+    """
+
+    slot: int
+    start: int
+    length: int
+    key_len: int
+    first: int
+    count: int
+    src_b: Optional[torch.Tensor]  # [R] long
+    src_n: Optional[torch.Tensor]  # [R] long
+    dst_slot: Optional[torch.Tensor]  # [R] long
+    dst_pos: Optional[torch.Tensor]  # [R] long
+    read: Optional[torch.Tensor]  # [B] long
+
+
+@script
+def write_and_read(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """kv [2, S, kv_heads, T, hd] (one layer); the new rows' k, v [B, kv_heads, N, hd] (pads skipped) are written
+    -> keys, values [B, kv_heads, key_len, hd]. TorchScript, so a decoder's scripted block writes without Python."""
+    src_b, src_n, dst_slot, dst_pos = writes.src_b, writes.src_n, writes.dst_slot, writes.dst_pos
+    if src_b is None or src_n is None or dst_slot is None or dst_pos is None:
+        slot, start, n = writes.slot, writes.start, writes.length
+        kv[0, slot, :, start : start + n] = k[0, :, :n]
+        kv[1, slot, :, start : start + n] = v[0, :, :n]
+        return kv[0, slot : slot + 1, :, : writes.key_len], kv[1, slot : slot + 1, :, : writes.key_len]
+    new = torch.stack([k, v]).permute(1, 3, 0, 2, 4)  # [B, N, 2, kv_heads, hd]
+    kv.transpose(0, 1)[dst_slot, :, :, dst_pos] = new[src_b, src_n].to(kv.dtype)  # [R, 2, kv_heads, hd]
+    read = writes.read
+    if read is None:
+        return kv[0, writes.first : writes.first + writes.count, :, : writes.key_len], kv[1, writes.first : writes.first + writes.count, :, : writes.key_len]
+    return kv[0, read, :, : writes.key_len], kv[1, read, :, : writes.key_len]
+
+
 @dataclass
 class SlotBatch:
     """The KV of one batched forward: entry b writes rows [starts[b], starts[b] + lengths[b]) of slot slots[b]
@@ -110,16 +150,17 @@ class SlotBatch:
         self.key_len = max(s + n for s, n in zip(self.starts, self.lengths))
         self.pool.check_fits(self.key_len)
         device = self.pool.device
-        if len(self.slots) > 1:
-            b_idx = torch.cat([torch.full((n,), b) for b, n in enumerate(self.lengths)])
-            n_idx = torch.cat([torch.arange(n) for n in self.lengths])
-            self._src = (b_idx.to(device), n_idx.to(device))
-            slot_idx = torch.tensor(self.slots).repeat_interleave(torch.tensor(self.lengths))
-            pos_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)])
-            self._dst = (slot_idx.to(device), pos_idx.to(device))
-            first = self.slots[0]
-            contiguous = self.slots == list(range(first, first + len(self.slots)))
-            self._read = slice(first, first + len(self.slots)) if contiguous else torch.tensor(self.slots, device=device)
+        first, count = self.slots[0], len(self.slots)
+        if count == 1:
+            self.writes = Writes(first, self.starts[0], self.lengths[0], self.key_len, first, 1, None, None, None, None, None)
+            return
+        src_b = torch.cat([torch.full((n,), b) for b, n in enumerate(self.lengths)]).to(device)
+        src_n = torch.cat([torch.arange(n) for n in self.lengths]).to(device)
+        dst_slot = torch.tensor(self.slots).repeat_interleave(torch.tensor(self.lengths)).to(device)
+        dst_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).to(device)
+        contiguous = self.slots == list(range(first, first + count))
+        read = None if contiguous else torch.tensor(self.slots, device=device)
+        self.writes = Writes(0, 0, 0, self.key_len, first, count, src_b, src_n, dst_slot, dst_pos, read)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,15 +169,11 @@ class SlotBatch:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows' k, v [B, kv_heads, N, hd] (pads skipped) -> keys, values [B, kv_heads, key_len, hd]."""
-        pool = self.pool.kv[layer]  # [2, S, kv_heads, T, hd]
-        if len(self.slots) == 1:
-            slot, start, n = self.slots[0], self.starts[0], self.lengths[0]
-            pool[0, slot, :, start : start + n] = k[0, :, :n]
-            pool[1, slot, :, start : start + n] = v[0, :, :n]
-            return pool[0, slot : slot + 1, :, : self.key_len], pool[1, slot : slot + 1, :, : self.key_len]
-        new = torch.stack([k, v]).permute(1, 3, 0, 2, 4)  # [B, N, 2, kv_heads, hd]
-        pool.transpose(0, 1)[self._dst[0], :, :, self._dst[1]] = new[self._src].to(pool.dtype)  # [R, 2, kv_heads, hd]
-        return pool[0, self._read, :, : self.key_len], pool[1, self._read, :, : self.key_len]
+        return write_and_read(self.pool.kv[layer], self.writes, k, v)
+
+    def scripted(self) -> tuple[torch.Tensor | None, Writes | None]:
+        """The pool and writes a scripted block passes to `write_and_read`."""
+        return self.pool.kv, self.writes
 
 
 class PassThroughKV:
@@ -146,3 +183,7 @@ class PassThroughKV:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
+
+    def scripted(self) -> tuple[torch.Tensor | None, Writes | None]:
+        """No pool: a scripted block attends to the new rows alone."""
+        return None, None

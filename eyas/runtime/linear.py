@@ -10,21 +10,48 @@ of more than MAX_PACKED_ROWS rows (prefill) keep sgemm, which is as good there.
 Everywhere else (CUDA, bf16/fp16, a torch without oneDNN) `Linear` is `F.linear`.
 """
 
-from __future__ import annotations
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .script import script
+
 MAX_PACKED_ROWS = 128
 
 
+@script
 def row_bucket(rows: int) -> int:
     """The row count a product of `rows` rows runs at: exact up to 8, then 4 sizes per doubling (<= 25% padding)."""
     if rows <= 8:
         return rows
-    step = 1 << (rows.bit_length() - 3)
-    return -(-rows // step) * step
+    top = 1  # the largest power of two <= rows
+    while top * 2 <= rows:
+        top *= 2
+    step = top // 4
+    return (rows + step - 1) // step * step
+
+
+@script
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor], max_rows: int = MAX_PACKED_ROWS
+) -> torch.Tensor:
+    """[..., in] -> [..., out]: x W^T + b, through oneDNN's `packed` copy of W (rows padded to a bucket) when there is
+    one and the product has 1 to `max_rows` rows, else `F.linear`. TorchScript, so that the decoder's scripted blocks call
+    it without returning to Python."""
+    rows = x.numel() // x.shape[-1]
+    if packed is None or rows <= 0 or rows > max_rows:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])  # [R, in]
+    padded = row_bucket(rows)
+    if padded != rows:
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])  # [R', in]
+    scalars: List[Optional[Union[int, float, complex]]] = []
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", scalars, "")  # [R', out]
+    shape = x.shape[:-1]
+    shape.append(out.shape[-1])
+    return out[:rows].view(shape)
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -59,15 +86,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]."""
-        rows = x.numel() // x.shape[-1]
-        if self.packed is None or not 0 < rows <= MAX_PACKED_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])  # [R, in]
-        padded = row_bucket(rows)
-        if padded != rows:
-            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])  # [R', in]
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")  # [R', out]
-        return out[:rows].view(*x.shape[:-1], out.shape[-1])
+        return linear(x, self.weight, self.bias, self.packed)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this layer holds (weight, bias, packed copy), e.g. to count its bytes."""

@@ -15,38 +15,115 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
-from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..drafters.layers import rotary_tables
-from .kv import TREE_HEADROOM
-from .linear import Linear
+from ..drafters.layers import rotate, rotary_tables
+from .kv import TREE_HEADROOM, Writes, write_and_read
+from .linear import Linear, linear
+from .script import script
 from .shard import Shard, check_shardable, dims, shard_selection
 from .weights import WeightsError, load_state, router_name, take, take_experts, take_optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activations `activate` computes, by config name
+
+# A layer is two TorchScript blocks (attention, MLP): a forward pays the Python interpreter twice per layer, not
+# once per operator (about 30 a layer), which on a CPU is a quarter of a small model's forward (docs/runtime.md).
+# The blocks run the same operators as eager code, so their results are bitwise those of eager code.
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32, scale in the input dtype. In float32 this is torch's fused
-    kernel (one operator, bitwise equal to the composite below, which other dtypes keep)."""
+@script
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in float32, scale in the input dtype. In float32 this is torch's fused kernel (one
+    operator, bitwise equal to the composite below, which other dtypes keep)."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        return F.rms_norm(x, [x.shape[-1]], weight, eps)
     normed = x.float()
     normed = (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return normed if weight is None else weight * normed
+    if weight is None:
+        return normed
+    return weight * normed
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [..., hd] with the half-split convention of Llama checkpoints: x cos + rotate_half(x) sin, where
-    rotate_half(x) = [-x2, x1]; `signed_sin` = [-sin1, sin2] carries the sign, so [x2, x1] * signed_sin is the
-    same product (negation is exact)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
+@script
+def activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The MLP activation a config names (one of ACTIVATIONS), as Hugging Face computes it."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.relu(x)
+
+
+@script
+def attention_block(
+    x: torch.Tensor,
+    norm: Optional[torch.Tensor],
+    qkv_weight: torch.Tensor,
+    qkv_bias: Optional[torch.Tensor],
+    qkv_packed: Optional[torch.Tensor],
+    qk_norm: Optional[torch.Tensor],
+    o_weight: torch.Tensor,
+    o_bias: Optional[torch.Tensor],
+    o_packed: Optional[torch.Tensor],
+    heads: int,
+    kv_heads: int,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bias: torch.Tensor,
+    kv: Optional[torch.Tensor],
+    writes: Optional[Writes],
+    index: int,
+) -> torch.Tensor:
+    """x [B, N, in], normed by `norm` first where given; cos, signed sin [B, N, 1, hd]; bias [B, 1, N, K], bool or
+    additive in the KV's dtype; kv [L, 2, S, KVH, T, hd] the pool `writes` addresses, or None to attend to the new
+    rows alone -> o's product [B, N, d] (a tensor-parallel rank's part: the ranks' sum follows)."""
+    b, n = x.shape[0], x.shape[1]
+    hd = qkv_weight.shape[0] // (heads + 2 * kv_heads)
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    qkv = linear(x, qkv_weight, qkv_bias, qkv_packed).view(b, n, heads + 2 * kv_heads, hd)
+    qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # q and k rotate together
+    if qk_norm is not None:
+        qk = rms_norm(qk, None, eps) * qk_norm
+    q, k = rotate(qk, cos, sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
+    v = v.transpose(1, 2)  # [B, KVH, N, hd]
+    if kv is None or writes is None:
+        keys, values = k, v
+    else:
+        keys, values = write_and_read(kv[index], writes, k, v)  # [B, KVH, K, hd]
+    if q.dtype != keys.dtype:
+        q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return linear(out.transpose(1, 2).reshape(b, n, heads * hd), o_weight, o_bias, o_packed)
+
+
+@script
+def mlp_block(
+    x: torch.Tensor,
+    norm: Optional[torch.Tensor],
+    gate_up_weight: torch.Tensor,
+    gate_up_packed: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    down_packed: Optional[torch.Tensor],
+    act: str,
+    eps: float,
+) -> torch.Tensor:
+    """x [B, N, d], normed by `norm` first where given -> the dense MLP's output [B, N, d] (a rank's part)."""
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    gate, up = linear(x, gate_up_weight, None, gate_up_packed).chunk(2, dim=-1)
+    return linear(activate(gate, act) * up, down_weight, None, down_packed)
 
 
 @dataclass
@@ -92,7 +169,9 @@ class CausalLM:
         heads, kv_heads, hd = dims(config)
         self.heads, self.kv_heads, self.head_dim = heads // shard.size, kv_heads // shard.size, hd  # this rank's
         self.eps = float(config.rms_norm_eps)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = str(config.hidden_act)
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.act!r} is not one of {ACTIVATIONS}")
         self.experts = int(getattr(config, "num_local_experts", 0) or 0)
         self.local_experts = shard.span(self.experts)
         self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
@@ -148,7 +227,6 @@ class CausalLM:
             self.lm_head = head.to(device)
         self.head = Linear(self.lm_head)  # what `logits` multiplies by; `lm_head` stays a tensor for the drafter to bind
         cos, sin = rotary_tables(LlamaRotaryEmbedding(config), max(self.max_positions, 1) + TREE_HEADROOM)  # [P, hd]
-        sin[:, : hd // 2] = -sin[:, : hd // 2]  # signed for `rotate`
         self.cos, self.signed_sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
     def _qk_norm(self, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None) -> torch.Tensor | None:
@@ -187,29 +265,23 @@ class CausalLM:
         return int(window)
 
     def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, bias: torch.Tensor) -> torch.Tensor:
-        """x [B, N, d] normed; cos, sin [B, N, 1, hd]; bias [B, 1, N, K] additive, in the KV's dtype -> [B, N, d]."""
-        b, n, _ = x.shape
-        heads, kv_heads = self.heads, self.kv_heads
-        qkv = layer.qkv(x).view(b, n, heads + 2 * kv_heads, self.head_dim)  # [B, N, H + 2 KVH, hd]
-        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # q and k rotate together
-        if layer.qk_norm is not None:
-            qk = rms_norm(qk, None, self.eps) * layer.qk_norm
-        q, k = rotate(qk, cos, sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
-        keys, values = kv.append(k, v.transpose(1, 2), index)  # [B, KVH, K, hd]
-        if q.dtype != keys.dtype:
-            q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
-        if out.dtype != x.dtype:
-            out = out.to(x.dtype)
-        out = out.transpose(1, 2).reshape(b, n, heads * self.head_dim)
-        out = self.shard.all_reduce(layer.o(out))  # [B, N, d], summed over the ranks' heads
+        """x [B, N, d] (the residual stream); cos, sin [B, N, 1, hd]; bias [B, 1, N, K] additive -> [B, N, d]."""
+        pool, writes = kv.scripted()
+        qkv, o = layer.qkv, layer.o
+        out = attention_block(
+            x, layer.input_norm, qkv.weight, qkv.bias, qkv.packed, layer.qk_norm, o.weight, None, o.packed,
+            self.heads, self.kv_heads, self.eps, cos, sin, bias, pool, writes, index,
+        )
+        out = self.shard.all_reduce(out)  # [B, N, d], summed over the ranks' heads
         return out if layer.o_bias is None else out + layer.o_bias
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, N, d] (the residual stream) -> the MLP's output [B, N, d], and the experts each row chose (MoE)."""
         if layer.router is None:
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            return self.shard.all_reduce(layer.down(self.act(gate) * up)), None
-        flat = x.reshape(-1, x.shape[-1])  # [R, d]
+            gate_up, down = layer.gate_up, layer.down
+            out = mlp_block(x, layer.post_norm, gate_up.weight, gate_up.packed, down.weight, down.packed, self.act, self.eps)
+            return self.shard.all_reduce(out), None
+        flat = rms_norm(x, layer.post_norm, self.eps).reshape(-1, x.shape[-1])  # [R, d]
         probs = F.softmax(F.linear(flat, layer.router).float(), dim=-1)  # [R, E]
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [R, top_k]
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -220,7 +292,7 @@ class CausalLM:
             rows, slot = torch.where(chosen == expert)
             local = expert - self.local_experts.start
             gate, up = F.linear(flat[rows], layer.gate_up[local]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, layer.down[local]) * weights[rows, slot, None]
+            y = F.linear(activate(gate, self.act) * up, layer.down[local]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return self.shard.all_reduce(out).view_as(x), chosen.view(*x.shape[:-1], self.top_k)
 
@@ -234,8 +306,8 @@ class CausalLM:
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped.append(x)
-            x = x + self.attention(layer, index, rms_norm(x, layer.input_norm, self.eps), cos, sin, kv, bias)
-            y, chosen = self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
+            x = x + self.attention(layer, index, x, cos, sin, kv, bias)
+            y, chosen = self.mlp(layer, x)
             x = x + y
             if chosen is not None:
                 routed.append(chosen)
