@@ -11,8 +11,6 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .script import script
-
 
 TREE_HEADROOM = 256  # slot positions past a request's own tokens, for the scratch rows of one round's tree
 
@@ -118,10 +116,10 @@ class Writes(NamedTuple):
     read: Optional[torch.Tensor]  # [B] long
 
 
-@script
 def write_and_read(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """kv [2, S, kv_heads, T, hd] (one layer); the new rows' k, v [B, kv_heads, N, hd] (pads skipped) are written
-    -> keys, values [B, kv_heads, key_len, hd]. TorchScript, so a decoder's scripted block writes without Python."""
+    -> keys, values [B, kv_heads, key_len, hd]. Plain torch, which TorchScript compiles inside the decoder's scripted
+    blocks (runtime/model.py)."""
     src_b, src_n, dst_slot, dst_pos = writes.src_b, writes.src_n, writes.dst_slot, writes.dst_pos
     if src_b is None or src_n is None or dst_slot is None or dst_pos is None:
         slot, start, n = writes.slot, writes.start, writes.length

@@ -21,9 +21,9 @@ from .script import script
 MAX_PACKED_ROWS = 128
 
 
-@script
 def row_bucket(rows: int) -> int:
-    """The row count a product of `rows` rows runs at: exact up to 8, then 4 sizes per doubling (<= 25% padding)."""
+    """The row count a product of `rows` rows runs at: exact up to 8, then 4 sizes per doubling (<= 25% padding).
+    Plain Python that TorchScript compiles inside `linear` too."""
     if rows <= 8:
         return rows
     top = 1  # the largest power of two <= rows

@@ -32,12 +32,13 @@ from .weights import WeightsError, load_state, router_name, take, take_experts, 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activations `activate` computes, by config name
 
-# A layer is two TorchScript blocks (attention, MLP): a forward pays the Python interpreter twice per layer, not
-# once per operator (about 30 a layer), which on a CPU is a quarter of a small model's forward (docs/runtime.md).
-# The blocks run the same operators as eager code, so their results are bitwise those of eager code.
+# A layer is two TorchScript blocks (attention, MLP): a forward comes back to the Python interpreter twice per
+# layer, not once per operator (about 30 a layer; docs/runtime.md, "Fewer trips through Python"). The blocks run
+# the same operators as eager code, so their results are bitwise those of eager code. The helpers they call
+# (`rms_norm`, `activate`, `rotate`, `write_and_read`, `row_bucket`) stay plain Python for Python callers, and
+# TorchScript compiles them into the blocks.
 
 
-@script
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalise in float32, scale in the input dtype. In float32 this is torch's fused kernel (one
     operator, bitwise equal to the composite below, which other dtypes keep)."""
@@ -50,7 +51,6 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     return weight * normed
 
 
-@script
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
     """The MLP activation a config names (one of ACTIVATIONS), as Hugging Face computes it."""
     if name == "silu":
