@@ -52,7 +52,7 @@ def serve_attention(attn: Attention) -> None:
         cos, sin = rope
         pool, writes = kv.scripted()
         return attention_block(
-            x, None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.bias, o.packed,
+            x, None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.packed, o.bias,
             heads, kv_heads, 0.0, cos, sin, mask, pool, writes, 0,
         )
 

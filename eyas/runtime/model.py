@@ -71,8 +71,8 @@ def attention_block(
     qkv_packed: Optional[torch.Tensor],
     qk_norm: Optional[torch.Tensor],
     o_weight: torch.Tensor,
-    o_bias: Optional[torch.Tensor],
     o_packed: Optional[torch.Tensor],
+    o_bias: Optional[torch.Tensor],
     heads: int,
     kv_heads: int,
     eps: float,
@@ -126,6 +126,40 @@ def mlp_block(
     return linear(activate(gate, act) * up, down_weight, None, down_packed)
 
 
+@script
+def dense_layer(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: Optional[torch.Tensor],
+    qkv_packed: Optional[torch.Tensor],
+    qk_norm: Optional[torch.Tensor],
+    o_weight: torch.Tensor,
+    o_packed: Optional[torch.Tensor],
+    post_norm: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    gate_up_packed: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    down_packed: Optional[torch.Tensor],
+    heads: int,
+    kv_heads: int,
+    act: str,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bias: torch.Tensor,
+    kv: Optional[torch.Tensor],
+    writes: Optional[Writes],
+    index: int,
+) -> torch.Tensor:
+    """A whole dense layer on one rank (no ranks' sums, no o bias between the blocks) in one call: x [B, N, d] ->
+    x + attention, then + MLP."""
+    x = x + attention_block(
+        x, norm, qkv_weight, qkv_bias, qkv_packed, qk_norm, o_weight, o_packed, None, heads, kv_heads, eps, cos, sin, bias, kv, writes, index
+    )
+    return x + mlp_block(x, post_norm, gate_up_weight, gate_up_packed, down_weight, down_packed, act, eps)
+
+
 @dataclass
 class Layer:
     """One decoder layer's fused weights."""
@@ -139,6 +173,13 @@ class Layer:
     gate_up: Linear | torch.Tensor  # dense [2I, d], or experts [E, 2I, d] (sliced per call)
     down: Linear | torch.Tensor  # dense [d, I], or experts [E, d, I]
     router: torch.Tensor | None = None  # [E, d] (Mixtral)
+
+    def __post_init__(self) -> None:
+        # the blocks' weight arguments, gathered once: attention (norm, q/k/v, q/k norms, o) and the dense MLP
+        qkv, o = self.qkv, self.o
+        self.attention_weights = (self.input_norm, qkv.weight, qkv.bias, qkv.packed, self.qk_norm, o.weight, o.packed)
+        dense = isinstance(self.gate_up, Linear)
+        self.mlp_weights = (self.post_norm, self.gate_up.weight, self.gate_up.packed, self.down.weight, self.down.packed) if dense else None
 
 
 @dataclass
@@ -218,6 +259,8 @@ class CausalLM:
                 )
             )
         self.norm = fetch("norm.weight", (d,))
+        # one scripted call a layer where nothing runs between the blocks: one rank, dense MLPs, no o bias
+        self.whole_layers = shard.size == 1 and not self.experts and all(layer.o_bias is None for layer in self.layers)
         head = take_optional(state, "lm_head.weight")
         if head is None:
             if not getattr(config, "tie_word_embeddings", False):
@@ -267,20 +310,14 @@ class CausalLM:
     def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, bias: torch.Tensor) -> torch.Tensor:
         """x [B, N, d] (the residual stream); cos, sin [B, N, 1, hd]; bias [B, 1, N, K] additive -> [B, N, d]."""
         pool, writes = kv.scripted()
-        qkv, o = layer.qkv, layer.o
-        out = attention_block(
-            x, layer.input_norm, qkv.weight, qkv.bias, qkv.packed, layer.qk_norm, o.weight, None, o.packed,
-            self.heads, self.kv_heads, self.eps, cos, sin, bias, pool, writes, index,
-        )
+        out = attention_block(x, *layer.attention_weights, None, self.heads, self.kv_heads, self.eps, cos, sin, bias, pool, writes, index)
         out = self.shard.all_reduce(out)  # [B, N, d], summed over the ranks' heads
         return out if layer.o_bias is None else out + layer.o_bias
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, N, d] (the residual stream) -> the MLP's output [B, N, d], and the experts each row chose (MoE)."""
-        if layer.router is None:
-            gate_up, down = layer.gate_up, layer.down
-            out = mlp_block(x, layer.post_norm, gate_up.weight, gate_up.packed, down.weight, down.packed, self.act, self.eps)
-            return self.shard.all_reduce(out), None
+        if layer.mlp_weights is not None:
+            return self.shard.all_reduce(mlp_block(x, *layer.mlp_weights, self.act, self.eps)), None
         flat = rms_norm(x, layer.post_norm, self.eps).reshape(-1, x.shape[-1])  # [R, d]
         probs = F.softmax(F.linear(flat, layer.router).float(), dim=-1)  # [R, E]
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [R, top_k]
@@ -302,10 +339,16 @@ class CausalLM:
         x = self.shard.embed(tokens, self.embed)  # [B, N, d]
         cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]  # [B, N, 1, hd]
         bias = torch.zeros(mask.shape, dtype=kv.dtype or self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        pool, writes = kv.scripted()
         tapped, routed = [], []
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped.append(x)
+            if self.whole_layers:
+                x = dense_layer(
+                    x, *layer.attention_weights, *layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, cos, sin, bias, pool, writes, index
+                )
+                continue
             x = x + self.attention(layer, index, x, cos, sin, kv, bias)
             y, chosen = self.mlp(layer, x)
             x = x + y
