@@ -128,10 +128,11 @@ def write_and_read(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.T
         return kv[0, slot : slot + 1, :, : writes.key_len], kv[1, slot : slot + 1, :, : writes.key_len]
     new = torch.stack([k, v]).permute(1, 3, 0, 2, 4)  # [B, N, 2, kv_heads, hd]
     kv.transpose(0, 1)[dst_slot, :, :, dst_pos] = new[src_b, src_n].to(kv.dtype)  # [R, 2, kv_heads, hd]
-    read = writes.read
+    read, key_len = writes.read, writes.key_len
     if read is None:
-        return kv[0, writes.first : writes.first + writes.count, :, : writes.key_len], kv[1, writes.first : writes.first + writes.count, :, : writes.key_len]
-    return kv[0, read, :, : writes.key_len], kv[1, read, :, : writes.key_len]
+        slots = kv[:, writes.first : writes.first + writes.count, :, :key_len]  # [2, B, kv_heads, key_len, hd]
+        return slots[0], slots[1]
+    return kv[0, read, :, :key_len], kv[1, read, :, :key_len]
 
 
 @dataclass
