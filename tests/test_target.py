@@ -85,6 +85,21 @@ def test_eagle1_address_taps_the_final_norm_output(tmp_path, family):
     check_tree(hf, target, session, PROMPT[:-1], random_tree(PROMPT[-1], len(PROMPT) - 1), kind="eagle1")
 
 
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_every_activation_the_runtime_computes_equals_hugging_face(tmp_path, act):
+    directory = make_target(tmp_path / act, hidden_act=act)
+    hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    target = TargetModel.from_pretrained(directory, FeatureAddress.eagle3(4))
+    session = TargetSession(target)
+    session.prefill(0, PROMPT[:-1])
+    check_tree(hf, target, session, PROMPT[:-1], random_tree(PROMPT[-1], len(PROMPT) - 1))
+
+
+def test_an_activation_the_runtime_does_not_compute_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="hidden_act 'tanh' is not one of"):
+        TargetModel.from_pretrained(make_target(tmp_path / "t", hidden_act="tanh"))
+
+
 def test_commit_keeps_exactly_the_accepted_rows_kv(tmp_path):
     target = TargetModel.from_pretrained(make_target(tmp_path / "t"))
     session = TargetSession(target)
