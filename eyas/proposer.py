@@ -24,7 +24,7 @@ from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
-from .runtime.model import ACTIVATIONS, attention_block, mlp_block
+from .runtime.model import ACTIVATIONS, AttentionWeights, MLPWeights, attention_block, mlp_block
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -46,15 +46,13 @@ def serve_attention(attn: Attention) -> None:
     with q/k/v as one product (inference only from here)."""
     qkv = Linear(*frozen_product([attn.q_proj, attn.k_proj, attn.v_proj]))
     o = Linear(*frozen_product([attn.o_proj]))
+    weights = AttentionWeights(None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.packed, o.bias)
     heads, kv_heads = attn.heads, attn.kv_heads
 
     def block(x: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
         cos, sin = rope
         pool, writes = kv.scripted()
-        return attention_block(
-            x, None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.packed, o.bias,
-            heads, kv_heads, 0.0, cos, sin, mask, pool, writes, 0,
-        )
+        return attention_block(x, weights, heads, kv_heads, 0.0, cos, sin, mask, pool, writes, 0)
 
     attn.serve(block)
 
@@ -65,8 +63,8 @@ def serve_mlp(mlp: MLP) -> None:
         raise ValueError(f"hidden_act {mlp.act_name!r} is not one of {ACTIVATIONS}")
     gate_up = Linear(*frozen_product([mlp.gate_proj, mlp.up_proj]))
     down = Linear(*frozen_product([mlp.down_proj]))
-    act = mlp.act_name
-    mlp.serve(lambda x: mlp_block(x, None, gate_up.weight, gate_up.packed, down.weight, down.packed, act, 0.0))
+    weights, act = MLPWeights(None, gate_up.weight, gate_up.packed, down.weight, down.packed), mlp.act_name
+    mlp.serve(lambda x: mlp_block(x, weights, act, 0.0))
 
 
 def serve_layers(drafter: Drafter) -> frozenset[int]:

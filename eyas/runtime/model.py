@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,17 +62,36 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
     return F.relu(x)
 
 
+class AttentionWeights(NamedTuple):
+    """What `attention_block` multiplies by: the input norm (None: x comes normed), q/k/v fused [(H + 2 KVH) hd, in]
+    with its bias and oneDNN copy, Qwen3's q/k norms [H + KVH, hd], o [d, H hd] with its copy and bias (None where
+    the ranks' sum comes first)."""
+
+    norm: Optional[torch.Tensor]
+    qkv_weight: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    qkv_packed: Optional[torch.Tensor]
+    qk_norm: Optional[torch.Tensor]
+    o_weight: torch.Tensor
+    o_packed: Optional[torch.Tensor]
+    o_bias: Optional[torch.Tensor]
+
+
+class MLPWeights(NamedTuple):
+    """What `mlp_block` multiplies by: the post-attention norm (None: x comes normed), gate/up fused [2I, d] and down
+    [d, I], each with its oneDNN copy."""
+
+    norm: Optional[torch.Tensor]
+    gate_up_weight: torch.Tensor
+    gate_up_packed: Optional[torch.Tensor]
+    down_weight: torch.Tensor
+    down_packed: Optional[torch.Tensor]
+
+
 @script
 def attention_block(
     x: torch.Tensor,
-    norm: Optional[torch.Tensor],
-    qkv_weight: torch.Tensor,
-    qkv_bias: Optional[torch.Tensor],
-    qkv_packed: Optional[torch.Tensor],
-    qk_norm: Optional[torch.Tensor],
-    o_weight: torch.Tensor,
-    o_packed: Optional[torch.Tensor],
-    o_bias: Optional[torch.Tensor],
+    w: AttentionWeights,
     heads: int,
     kv_heads: int,
     eps: float,
@@ -83,15 +102,16 @@ def attention_block(
     writes: Optional[Writes],
     index: int,
 ) -> torch.Tensor:
-    """x [B, N, in], normed by `norm` first where given; cos, signed sin [B, N, 1, hd]; bias [B, 1, N, K], bool or
-    additive in the KV's dtype; kv [L, 2, S, KVH, T, hd] the pool `writes` addresses, or None to attend to the new
-    rows alone -> o's product [B, N, d] (a tensor-parallel rank's part: the ranks' sum follows)."""
+    """x [B, N, in]; cos, signed sin [B, N, 1, hd]; bias [B, 1, N, K], bool or additive in the KV's dtype; kv
+    [L, 2, S, KVH, T, hd] the pool `writes` addresses, or None to attend to the new rows alone -> o's product
+    [B, N, d] (a tensor-parallel rank's part: the ranks' sum follows)."""
     b, n = x.shape[0], x.shape[1]
-    hd = qkv_weight.shape[0] // (heads + 2 * kv_heads)
-    if norm is not None:
-        x = rms_norm(x, norm, eps)
-    qkv = linear(x, qkv_weight, qkv_bias, qkv_packed).view(b, n, heads + 2 * kv_heads, hd)
+    hd = w.qkv_weight.shape[0] // (heads + 2 * kv_heads)
+    if w.norm is not None:
+        x = rms_norm(x, w.norm, eps)
+    qkv = linear(x, w.qkv_weight, w.qkv_bias, w.qkv_packed).view(b, n, heads + 2 * kv_heads, hd)
     qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # q and k rotate together
+    qk_norm = w.qk_norm
     if qk_norm is not None:
         qk = rms_norm(qk, None, eps) * qk_norm
     q, k = rotate(qk, cos, sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
@@ -105,42 +125,23 @@ def attention_block(
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
-    return linear(out.transpose(1, 2).reshape(b, n, heads * hd), o_weight, o_bias, o_packed)
+    return linear(out.transpose(1, 2).reshape(b, n, heads * hd), w.o_weight, w.o_bias, w.o_packed)
 
 
 @script
-def mlp_block(
-    x: torch.Tensor,
-    norm: Optional[torch.Tensor],
-    gate_up_weight: torch.Tensor,
-    gate_up_packed: Optional[torch.Tensor],
-    down_weight: torch.Tensor,
-    down_packed: Optional[torch.Tensor],
-    act: str,
-    eps: float,
-) -> torch.Tensor:
-    """x [B, N, d], normed by `norm` first where given -> the dense MLP's output [B, N, d] (a rank's part)."""
-    if norm is not None:
-        x = rms_norm(x, norm, eps)
-    gate, up = linear(x, gate_up_weight, None, gate_up_packed).chunk(2, dim=-1)
-    return linear(activate(gate, act) * up, down_weight, None, down_packed)
+def mlp_block(x: torch.Tensor, w: MLPWeights, act: str, eps: float) -> torch.Tensor:
+    """x [B, N, d] -> the dense MLP's output [B, N, d] (a rank's part)."""
+    if w.norm is not None:
+        x = rms_norm(x, w.norm, eps)
+    gate, up = linear(x, w.gate_up_weight, None, w.gate_up_packed).chunk(2, dim=-1)
+    return linear(activate(gate, act) * up, w.down_weight, None, w.down_packed)
 
 
 @script
 def dense_layer(
     x: torch.Tensor,
-    norm: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    qkv_bias: Optional[torch.Tensor],
-    qkv_packed: Optional[torch.Tensor],
-    qk_norm: Optional[torch.Tensor],
-    o_weight: torch.Tensor,
-    o_packed: Optional[torch.Tensor],
-    post_norm: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    gate_up_packed: Optional[torch.Tensor],
-    down_weight: torch.Tensor,
-    down_packed: Optional[torch.Tensor],
+    attention: AttentionWeights,
+    mlp: MLPWeights,
     heads: int,
     kv_heads: int,
     act: str,
@@ -152,12 +153,10 @@ def dense_layer(
     writes: Optional[Writes],
     index: int,
 ) -> torch.Tensor:
-    """A whole dense layer on one rank (no ranks' sums, no o bias between the blocks) in one call: x [B, N, d] ->
-    x + attention, then + MLP."""
-    x = x + attention_block(
-        x, norm, qkv_weight, qkv_bias, qkv_packed, qk_norm, o_weight, o_packed, None, heads, kv_heads, eps, cos, sin, bias, kv, writes, index
-    )
-    return x + mlp_block(x, post_norm, gate_up_weight, gate_up_packed, down_weight, down_packed, act, eps)
+    """A whole dense layer on one rank (no ranks' sums between the blocks) in one call: x [B, N, d] -> x + attention,
+    then + MLP."""
+    x = x + attention_block(x, attention, heads, kv_heads, eps, cos, sin, bias, kv, writes, index)
+    return x + mlp_block(x, mlp, act, eps)
 
 
 @dataclass
@@ -175,11 +174,12 @@ class Layer:
     router: torch.Tensor | None = None  # [E, d] (Mixtral)
 
     def __post_init__(self) -> None:
-        # the blocks' weight arguments, gathered once: attention (norm, q/k/v, q/k norms, o) and the dense MLP
+        # the blocks' weights, gathered once (o's bias is added after the ranks' sum, outside the block)
         qkv, o = self.qkv, self.o
-        self.attention_weights = (self.input_norm, qkv.weight, qkv.bias, qkv.packed, self.qk_norm, o.weight, o.packed)
-        dense = isinstance(self.gate_up, Linear)
-        self.mlp_weights = (self.post_norm, self.gate_up.weight, self.gate_up.packed, self.down.weight, self.down.packed) if dense else None
+        self.attention_weights = AttentionWeights(self.input_norm, qkv.weight, qkv.bias, qkv.packed, self.qk_norm, o.weight, o.packed, None)
+        self.mlp_weights = None
+        if isinstance(self.gate_up, Linear):
+            self.mlp_weights = MLPWeights(self.post_norm, self.gate_up.weight, self.gate_up.packed, self.down.weight, self.down.packed)
 
 
 @dataclass
@@ -310,14 +310,14 @@ class CausalLM:
     def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, bias: torch.Tensor) -> torch.Tensor:
         """x [B, N, d] (the residual stream); cos, sin [B, N, 1, hd]; bias [B, 1, N, K] additive -> [B, N, d]."""
         pool, writes = kv.scripted()
-        out = attention_block(x, *layer.attention_weights, None, self.heads, self.kv_heads, self.eps, cos, sin, bias, pool, writes, index)
+        out = attention_block(x, layer.attention_weights, self.heads, self.kv_heads, self.eps, cos, sin, bias, pool, writes, index)
         out = self.shard.all_reduce(out)  # [B, N, d], summed over the ranks' heads
         return out if layer.o_bias is None else out + layer.o_bias
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, N, d] (the residual stream) -> the MLP's output [B, N, d], and the experts each row chose (MoE)."""
         if layer.mlp_weights is not None:
-            return self.shard.all_reduce(mlp_block(x, *layer.mlp_weights, self.act, self.eps)), None
+            return self.shard.all_reduce(mlp_block(x, layer.mlp_weights, self.act, self.eps)), None
         flat = rms_norm(x, layer.post_norm, self.eps).reshape(-1, x.shape[-1])  # [R, d]
         probs = F.softmax(F.linear(flat, layer.router).float(), dim=-1)  # [R, E]
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [R, top_k]
@@ -346,7 +346,7 @@ class CausalLM:
                 tapped.append(x)
             if self.whole_layers:
                 x = dense_layer(
-                    x, *layer.attention_weights, *layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, cos, sin, bias, pool, writes, index
+                    x, layer.attention_weights, layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, cos, sin, bias, pool, writes, index
                 )
                 continue
             x = x + self.attention(layer, index, x, cos, sin, kv, bias)
