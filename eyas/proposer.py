@@ -24,7 +24,7 @@ from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
-from .runtime.model import ACTIVATIONS, AttentionWeights, MLPWeights, attention_block, mlp_block
+from .runtime.model import ACTIVATIONS, AttentionInputs, AttentionWeights, MLPWeights, attention_block, mlp_block
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -50,9 +50,7 @@ def serve_attention(attn: Attention) -> None:
     heads, kv_heads = attn.heads, attn.kv_heads
 
     def block(x: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope
-        pool, writes = kv.scripted()
-        return attention_block(x, weights, heads, kv_heads, 0.0, cos, sin, mask, pool, writes, 0)
+        return attention_block(x, weights, heads, kv_heads, 0.0, AttentionInputs(*rope, mask, *kv.scripted()), 0)
 
     attn.serve(block)
 

@@ -88,23 +88,21 @@ class MLPWeights(NamedTuple):
     down_packed: Optional[torch.Tensor]
 
 
+class AttentionInputs(NamedTuple):
+    """What a forward's rows attend with, the same in every layer: cos, signed sin [B, N, 1, hd]; the mask [B, 1, N, K],
+    bool or additive in the KV's dtype; the pool kv [L, 2, S, KVH, T, hd] that `writes` addresses, or None to attend
+    to the new rows alone."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    bias: torch.Tensor
+    kv: Optional[torch.Tensor]
+    writes: Optional[Writes]
+
+
 @script
-def attention_block(
-    x: torch.Tensor,
-    w: AttentionWeights,
-    heads: int,
-    kv_heads: int,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    bias: torch.Tensor,
-    kv: Optional[torch.Tensor],
-    writes: Optional[Writes],
-    index: int,
-) -> torch.Tensor:
-    """x [B, N, in]; cos, signed sin [B, N, 1, hd]; bias [B, 1, N, K], bool or additive in the KV's dtype; kv
-    [L, 2, S, KVH, T, hd] the pool `writes` addresses, or None to attend to the new rows alone -> o's product
-    [B, N, d] (a tensor-parallel rank's part: the ranks' sum follows)."""
+def attention_block(x: torch.Tensor, w: AttentionWeights, heads: int, kv_heads: int, eps: float, at: AttentionInputs, index: int) -> torch.Tensor:
+    """x [B, N, in], layer `index` -> o's product [B, N, d] (a tensor-parallel rank's part: the ranks' sum follows)."""
     b, n = x.shape[0], x.shape[1]
     hd = w.qkv_weight.shape[0] // (heads + 2 * kv_heads)
     if w.norm is not None:
@@ -114,15 +112,16 @@ def attention_block(
     qk_norm = w.qk_norm
     if qk_norm is not None:
         qk = rms_norm(qk, None, eps) * qk_norm
-    q, k = rotate(qk, cos, sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
+    q, k = rotate(qk, at.cos, at.sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
     v = v.transpose(1, 2)  # [B, KVH, N, hd]
+    kv, writes = at.kv, at.writes
     if kv is None or writes is None:
         keys, values = k, v
     else:
         keys, values = write_and_read(kv[index], writes, k, v)  # [B, KVH, K, hd]
     if q.dtype != keys.dtype:
         q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return linear(out.transpose(1, 2).reshape(b, n, heads * hd), w.o_weight, w.o_bias, w.o_packed)
@@ -139,23 +138,11 @@ def mlp_block(x: torch.Tensor, w: MLPWeights, act: str, eps: float) -> torch.Ten
 
 @script
 def dense_layer(
-    x: torch.Tensor,
-    attention: AttentionWeights,
-    mlp: MLPWeights,
-    heads: int,
-    kv_heads: int,
-    act: str,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    bias: torch.Tensor,
-    kv: Optional[torch.Tensor],
-    writes: Optional[Writes],
-    index: int,
+    x: torch.Tensor, attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, index: int
 ) -> torch.Tensor:
     """A whole dense layer on one rank (no ranks' sums between the blocks) in one call: x [B, N, d] -> x + attention,
     then + MLP."""
-    x = x + attention_block(x, attention, heads, kv_heads, eps, cos, sin, bias, kv, writes, index)
+    x = x + attention_block(x, attention, heads, kv_heads, eps, at, index)
     return x + mlp_block(x, mlp, act, eps)
 
 
@@ -307,10 +294,9 @@ class CausalLM:
             raise ValueError("hybrid sliding/full attention layers are not supported by tree verification")
         return int(window)
 
-    def attention(self, layer: Layer, index: int, x: torch.Tensor, cos, sin, kv, bias: torch.Tensor) -> torch.Tensor:
-        """x [B, N, d] (the residual stream); cos, sin [B, N, 1, hd]; bias [B, 1, N, K] additive -> [B, N, d]."""
-        pool, writes = kv.scripted()
-        out = attention_block(x, layer.attention_weights, self.heads, self.kv_heads, self.eps, cos, sin, bias, pool, writes, index)
+    def attention(self, layer: Layer, index: int, x: torch.Tensor, at: AttentionInputs) -> torch.Tensor:
+        """x [B, N, d] (the residual stream) -> the attention's output [B, N, d], summed over the ranks."""
+        out = attention_block(x, layer.attention_weights, self.heads, self.kv_heads, self.eps, at, index)
         out = self.shard.all_reduce(out)  # [B, N, d], summed over the ranks' heads
         return out if layer.o_bias is None else out + layer.o_bias
 
@@ -339,17 +325,15 @@ class CausalLM:
         x = self.shard.embed(tokens, self.embed)  # [B, N, d]
         cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]  # [B, N, 1, hd]
         bias = torch.zeros(mask.shape, dtype=kv.dtype or self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        pool, writes = kv.scripted()
+        at = AttentionInputs(cos, sin, bias, *kv.scripted())
         tapped, routed = [], []
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped.append(x)
             if self.whole_layers:
-                x = dense_layer(
-                    x, layer.attention_weights, layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, cos, sin, bias, pool, writes, index
-                )
+                x = dense_layer(x, layer.attention_weights, layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, at, index)
                 continue
-            x = x + self.attention(layer, index, x, cos, sin, kv, bias)
+            x = x + self.attention(layer, index, x, at)
             y, chosen = self.mlp(layer, x)
             x = x + y
             if chosen is not None:
