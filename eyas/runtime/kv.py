@@ -95,6 +95,7 @@ class KVPool:
         return SlotBatch(self, slots, starts, lengths)
 
 
+# No `from __future__ import annotations` in this file: TorchScript reads `Writes`' field types at run time.
 class Writes(NamedTuple):
     """Where a batch's new rows go in one layer of the pool and what its attention reads, for `write_and_read`.
 

@@ -10,8 +10,6 @@ tensor and sums partial results with one all-reduce after o, one after the MLP, 
 reference the tests compare against; this is the serving path.
 """
 
-from __future__ import annotations
-
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +30,11 @@ from .weights import WeightsError, load_state, router_name, take, take_experts, 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activations `activate` computes, by config name
 
-# A layer is two TorchScript blocks (attention, MLP): a forward comes back to the Python interpreter twice per
-# layer, not once per operator (about 30 a layer; docs/runtime.md, "Fewer trips through Python"). The blocks run
-# the same operators as eager code, so their results are bitwise those of eager code. The helpers they call
+# A layer is two TorchScript blocks (attention, MLP), or one call for both where nothing runs between them: a forward
+# comes back to the Python interpreter once or twice per layer, not once per operator (about 30 a layer;
+# docs/runtime.md, "Fewer trips through Python"). The blocks run the same operators as eager code, so their results
+# are bitwise those of eager code. No `from __future__ import annotations` here: TorchScript reads the NamedTuples'
+# field types at run time. The helpers they call
 # (`rms_norm`, `activate`, `rotate`, `write_and_read`, `row_bucket`) stay plain Python for Python callers, and
 # TorchScript compiles them into the blocks.
 
