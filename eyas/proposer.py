@@ -24,7 +24,7 @@ from .runtime.batch import RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
-from .runtime.model import ACTIVATIONS, AttentionInputs, AttentionWeights, MLPWeights, attention_block, mlp_block
+from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, attention_block, mlp_block
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -57,11 +57,10 @@ def serve_attention(attn: Attention) -> None:
 
 def serve_mlp(mlp: MLP) -> None:
     """Serve `mlp` through the runtime's scripted MLP, over frozen copies of its weights with gate/up as one product."""
-    if mlp.act_name not in ACTIVATIONS:
-        raise ValueError(f"hidden_act {mlp.act_name!r} is not one of {ACTIVATIONS}")
+    act = activation(mlp.act_name)
     gate_up = Linear(*frozen_product([mlp.gate_proj, mlp.up_proj]))
     down = Linear(*frozen_product([mlp.down_proj]))
-    weights, act = MLPWeights(None, gate_up.weight, gate_up.packed, down.weight, down.packed), mlp.act_name
+    weights = MLPWeights(None, gate_up.weight, gate_up.packed, down.weight, down.packed)
     mlp.serve(lambda x: mlp_block(x, weights, act, 0.0))
 
 

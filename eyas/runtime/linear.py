@@ -38,8 +38,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor], max_rows: int = MAX_PACKED_ROWS
 ) -> torch.Tensor:
     """[..., in] -> [..., out]: x W^T + b, through oneDNN's `packed` copy of W (rows padded to a bucket) when there is
-    one and the product has 1 to `max_rows` rows, else `F.linear`. TorchScript, so that the decoder's scripted blocks call
-    it without returning to Python."""
+    one and the product has 1 to `max_rows` rows, else `F.linear`. TorchScript, so that the decoder's scripted blocks
+    call it without returning to Python."""
     rows = x.numel() // x.shape[-1]
     if packed is None or rows <= 0 or rows > max_rows:
         return F.linear(x, weight, bias)

@@ -33,10 +33,9 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activatio
 # A layer is two TorchScript blocks (attention, MLP), or one call for both where nothing runs between them: a forward
 # comes back to the Python interpreter once or twice per layer, not once per operator (about 30 a layer;
 # docs/runtime.md, "Fewer trips through Python"). The blocks run the same operators as eager code, so their results
-# are bitwise those of eager code. No `from __future__ import annotations` here: TorchScript reads the NamedTuples'
-# field types at run time. The helpers they call
-# (`rms_norm`, `activate`, `rotate`, `write_and_read`, `row_bucket`) stay plain Python for Python callers, and
-# TorchScript compiles them into the blocks.
+# are bitwise those of eager code. The helpers they call (`rms_norm`, `activate`, `rotate`, `write_and_read`,
+# `row_bucket`) stay plain Python for Python callers, and TorchScript compiles them into the blocks. No
+# `from __future__ import annotations` here: TorchScript reads the NamedTuples' field types at run time.
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -49,6 +48,13 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     if weight is None:
         return normed
     return weight * normed
+
+
+def activation(name: str) -> str:
+    """A config's `hidden_act`, refused unless `activate` computes it."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not one of {ACTIVATIONS}")
+    return name
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -197,9 +203,7 @@ class CausalLM:
         heads, kv_heads, hd = dims(config)
         self.heads, self.kv_heads, self.head_dim = heads // shard.size, kv_heads // shard.size, hd  # this rank's
         self.eps = float(config.rms_norm_eps)
-        self.act = str(config.hidden_act)
-        if self.act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.act!r} is not one of {ACTIVATIONS}")
+        self.act = activation(str(config.hidden_act))
         self.experts = int(getattr(config, "num_local_experts", 0) or 0)
         self.local_experts = shard.span(self.experts)
         self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
