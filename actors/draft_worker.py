@@ -71,6 +71,12 @@ class DraftWorker(Worker):
         session = self.sessions.get(request_id)
         return None if session is None else session.ahead_job
 
+    def interrupt(self, request_id: str) -> None:
+        """The request's next call means its round was decided: its drafting ahead stops at the next drafter step."""
+        session = self.sessions.get(request_id)
+        if session is not None:
+            session.interrupt_ahead()
+
     def endpoints(self) -> dict:
         return {"Start": (pb.DraftStart, self.start_session), "Draft": (pb.DraftRequest, self.draft), "Reseed": (pb.Reseed, self.reseed)}
 

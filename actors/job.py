@@ -74,6 +74,8 @@ class Job:
             "tokens": stats.tokens,
             "accepted_length_histogram": list(stats.accepted_length_histogram),
             "mean_accept_length": stats.mean_accept_length,
+            "ahead_rounds": stats.ahead_rounds,  # rounds that verified a tree drafted ahead
+            "ahead_tokens": stats.ahead_tokens,
             "seconds": dict(stats.seconds),
             "service_seconds": dict(self.service),
             "rebuilds": self.rebuilds,

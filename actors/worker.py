@@ -138,6 +138,10 @@ class Worker:
         for it), or None."""
         return None
 
+    def interrupt(self, request_id: str) -> None:
+        """A call for `request_id` has arrived: cut short the follow-up work its previous call left running (on the
+        event loop, before the call waits for that work)."""
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, port: int = 0) -> WorkerInfo:
         """Load the models, then serve on the configured host; returns where the worker listens.
@@ -199,6 +203,8 @@ class Worker:
         work they left running there)."""
         loop = asyncio.get_running_loop()
         key = ref.request_id if ref is not None else ""
+        if key:
+            self.interrupt(key)
         previous = self._tails.get(key)
         done = loop.create_future()
         self._tails[key] = done

@@ -20,7 +20,7 @@ from .drafters import Drafter
 from .drafters.layers import MLP, Attention, Rope, frozen_product
 from .errors import VersionError
 from .rounds import Proposal
-from .runtime.batch import RowsCall, pack, split_rows
+from .runtime.batch import RowsCall, merge_calls, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
@@ -161,6 +161,7 @@ class DraftSession:
         self.ahead_built = 0
         self.ahead_hits = 0
         self._ahead_job: Future | None = None
+        self._ahead_stop = False  # set once the outcome drafting ahead guesses at is known; read between its steps
 
     def __del__(self) -> None:
         self.close()  # a session dropped without close() still returns its slot
@@ -168,10 +169,17 @@ class DraftSession:
     def close(self) -> None:
         """Return the slot to the pool; the session is unusable afterwards."""
         if getattr(self, "_ahead_job", None) is not None:
+            self.interrupt_ahead()
             self._settle_ahead()
         if getattr(self, "slot", None) is not None:
             self.model.pool.release(self.slot)
             self.slot = None
+
+    def interrupt_ahead(self) -> None:
+        """The round the drafting ahead guesses at is decided (a worker: the request's next call has arrived): stop
+        at the next drafter step, so that a guess never delays the real round. Trees already built stay for the
+        lookup; the ones half built are dropped. Safe from any thread."""
+        self._ahead_stop = True
 
     @property
     def ahead_job(self) -> Future | None:
@@ -270,6 +278,7 @@ class DraftSession:
             candidates = yield from self._run_pending(policy.width if drafting else 0)
             grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy, candidates)
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
+            self._ahead_stop = False
             self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy))
         return grown.proposal
 
@@ -281,10 +290,12 @@ class DraftSession:
         prefix_len: int,
         policy: TreePolicy,
         root_candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Steps["Grown"]:
+        stop: Callable[[], bool] | None = None,
+    ) -> Steps["Grown | None"]:
         """Expand a tree from `root_state` whose nodes also see the draft rows `base_rows`, for a target prefix of
         `prefix_len` rows; the expansion rows are scratch after `written`. `root_candidates`: the root's top-width
-        children ([1, width] ids, probabilities) when the pass that made `root_state` already gave them."""
+        children ([1, width] ids, probabilities) when the pass that made `root_state` already gave them. None when
+        `stop` says so before one of the drafter steps."""
         tree = DraftTree(root_token)
         states = {0: root_state}  # node -> drafter output predicting its children
         path_rows: dict[int, list[int]] = {0: list(base_rows)}  # expanded node -> draft-KV rows of its path
@@ -297,6 +308,8 @@ class DraftSession:
             if depth == 0:
                 tokens, probs = root_candidates or self.drafter.top_candidates(root_state[None], policy.width)  # [1, width]
             else:
+                if stop is not None and stop():
+                    return None
                 expanded = tree.expandable(policy.width)
                 out = yield from self._expand(tree, expanded, states, path_rows, prefix_len, policy.width)
                 expanded_count += len(expanded)
@@ -326,6 +339,8 @@ class DraftSession:
         try:
             proposal, states, path_rows = grown.proposal, grown.states, grown.path_rows
             tree, nodes, prefix_len = proposal.draft_tree, proposal.row_nodes, proposal.tree.prefix_len
+            if self._ahead_stop:
+                return
             leaves = [n for n in nodes if n not in states]
             if leaves:
                 states.update(zip(leaves, (yield from self._expand(tree, leaves, states, path_rows, prefix_len)).states))
@@ -339,8 +354,8 @@ class DraftSession:
             for n, row_tokens, row_probs in zip(nodes, tokens.tolist(), probs.tolist()):
                 reach = math.exp(tree.log_values[n])
                 outcomes += [(reach * q, n, b) for b, q in zip(row_tokens, row_probs) if b not in verified[n]]
-            outcomes = sorted(outcomes, key=lambda o: -o[0])[: self.model.ahead_trees]
-            if not outcomes:
+            outcomes = sorted(outcomes, key=lambda o: -o[0])[: self.model.ahead_trees]  # likeliest built first
+            if not outcomes or self._ahead_stop:
                 return
             # the bonus rows: each bonus b as a child of its node n, one drafter step for all of them
             base = self.written
@@ -358,17 +373,51 @@ class DraftSession:
                     torch.stack([states[n] for _, n, _ in outcomes]),
                 )
             )).states  # [T, d]
-            for i, (_, n, b) in enumerate(outcomes):
+            growths = [
+                self._grow(
+                    b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy, stop=lambda: self._ahead_stop
+                )
+                for i, (_, n, b) in enumerate(outcomes)
+            ]
+            for (_, n, b), built in zip(outcomes, (yield from self._grow_together(growths))):
+                if built is None:  # stopped: the decision has arrived
+                    return
                 path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
-                built = yield from self._grow(b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy)
                 built.proposal.assumed = (path, b)
                 self.ahead[(version, path, b, policy)] = built
                 self.ahead_built += 1
         except KVCapacityError:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
 
+    def _grow_together(self, growths: list[Steps["Grown | None"]]) -> Steps[list["Grown | None"]]:
+        """Grow several trees of this session level by level: at each step the drafter calls they ask for (rows
+        that follow one another in the slot, since each reserves its rows as it asks) run as one forward."""
+        grown: list = [None] * len(growths)
+        asked: dict[int, Forward] = {}
+
+        def resume(i: int, value) -> None:
+            try:
+                asked[i] = growths[i].send(value)
+            except StopIteration as stop:
+                grown[i] = stop.value
+
+        for i in range(len(growths)):
+            resume(i, None)
+        while asked:
+            order, calls = list(asked), [forward.call for forward in asked.values()]  # in the order rows were reserved
+            asked.clear()
+            out = yield Forward(self.model, merge_calls(calls))
+            lengths = [int(c.tokens.shape[0]) for c in calls]
+            states = split_rows(out.states, lengths)
+            tokens = split_rows(out.tokens, lengths) if out.tokens is not None else [None] * len(calls)
+            probs = split_rows(out.probs, lengths) if out.probs is not None else [None] * len(calls)
+            for i, call, s, t, p in zip(order, calls, states, tokens, probs):
+                resume(i, DraftRows(s, t if t is None else t[:, : call.top_k], p if p is None else p[:, : call.top_k]))
+        return grown
+
     def _settle_ahead(self) -> None:
-        """Wait for the drafting ahead in flight (its rows are scratch that the next step drops)."""
+        """Wait for the drafting ahead in flight (its rows are scratch that the next step drops); unless it was
+        interrupted, every tree it set out to build is there for the lookup."""
         job, self._ahead_job = self._ahead_job, None
         if job is not None:
             job.result()
@@ -397,7 +446,11 @@ class DraftSession:
 
     def _run(self, call: RowsCall) -> Steps[DraftRows]:
         """Write `call`'s rows into this session's slot and return their drafter outputs."""
-        self.model.pool.check_fits(call.start + call.tokens.shape[0])
-        out = yield Forward(self.model, call)
-        self.written = call.start + call.tokens.shape[0]
-        return out
+        end = call.start + call.tokens.shape[0]
+        self.model.pool.check_fits(end)
+        self.written = end  # reserved as asked, so that trees grown together take rows that follow one another
+        try:
+            return (yield Forward(self.model, call))
+        except Exception:  # the forward failed: its rows were not written
+            self.written = call.start
+            raise

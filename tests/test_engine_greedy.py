@@ -4,6 +4,8 @@ Random EAGLE-1 and EAGLE-3 drafters on five tiny Hugging Face families, plus ora
 force full, partial and off-first-branch acceptance so that every commit path is exercised.
 """
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 from tests.helpers.oracle import OracleDrafter
@@ -117,6 +119,48 @@ def test_a_tree_drafted_ahead_is_used_only_for_the_version_and_outcome_it_assume
     assert hit.assumed == (tuple(reference[:2]), reference[2]) and hit.tree.prefix_len == target_session.committed
     draft._settle_ahead()
     assert draft.ahead and all(key[0] == 2 for key in draft.ahead)  # the other version-1 trees are gone, never sent
+    target_session.close(), draft.close()
+
+
+def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_no_token(family):
+    """A worker stops drafting ahead when the request's next call arrives: trees half built are dropped, the round
+    drafts afresh, and the tokens are still the target's greedy decoding."""
+    _, _, target, references = family
+    prompt, reference = PROMPTS[0], references[0]
+    engine = oracle_engine(target, prompt + reference, lambda p: 0, {"width": 2, "depth": 3, "budget": 6}, draft_ahead=2)
+    jobs = []
+    engine.draft.ahead_runner = lambda steps: jobs.append(steps) or Future()  # run by hand below
+
+    def run_job(draft, interrupt_after: int | None) -> int:
+        """Drive the drafting ahead the last proposal left, interrupting it after that many forwards; -> forwards."""
+        steps, forwards = jobs.pop(), 0
+        forward = next(steps)
+        with pytest.raises(StopIteration):
+            while True:
+                result = forward.runner.run([forward.call])[0]
+                forwards += 1
+                if forwards == interrupt_after:
+                    draft.interrupt_ahead()
+                forward = steps.send(result)
+        draft._ahead_job.set_result(None)
+        return forwards
+
+    request = engine.new_request(prompt, max_new_tokens=12)
+    target_session, draft = engine.sessions(request)
+    start(request, draft, target_session)
+    proposal = draft.propose(0, request.root_token, engine.tree)
+    assert run_job(draft, None) > 2 and draft.ahead_built == 2  # left alone, both trees are built
+    draft.ahead.clear()
+    draft.propose(0, request.root_token, engine.tree)
+    assert run_job(draft, 1) == 1 and draft.ahead == {}  # the decision arrives after one step: no tree grows further
+    for version in range(2):
+        verification = target_session.verify(proposal.tree, version, request.sampling)
+        publish(request, verification.decision, verification.features, target_session, draft)
+        if version == 0:
+            proposal = draft.propose(1, request.root_token, engine.tree)
+            assert proposal.assumed is None and draft.ahead_hits == 0  # drafted afresh
+            run_job(draft, 1)
+    assert request.output == reference[: len(request.output)] and len(request.output) == 8
     target_session.close(), draft.close()
 
 

@@ -54,16 +54,25 @@ def service_pids(client: Client) -> list[int]:
     return workers + coordinator
 
 
-def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def one_at_a_time(
+    engine: Engine, client: Client, prompts: list[list[int]], max_new_tokens: int, ahead_off: Engine | None = None
+) -> dict:
     """Each prompt in this process, then through the service, alternating so both see the same machine load;
-    wall time per round by phase, and CPU time per round (this process, or the coordinator plus workers)."""
+    wall time per round by phase, CPU time per round (this process, or the coordinator plus workers), and the
+    share of rounds that verified a tree drafted ahead. With `ahead_off`, each prompt also runs on that engine
+    (the same without drafting ahead), for the time per round with drafting ahead on and off."""
     local = dict.fromkeys(ENGINE_PHASES, 0.0)
     remote = dict.fromkeys(SERVICE_PHASES, 0.0)
-    local_wall = remote_wall = local_cpu = remote_cpu = 0.0
-    rounds = tokens = 0
+    local_wall = remote_wall = local_cpu = remote_cpu = off_wall = 0.0
+    rounds = tokens = local_hits = remote_hits = remote_rounds = off_rounds = 0
     identical, outputs = True, []
     pids = service_pids(client)
     for prompt in prompts:
+        if ahead_off is not None:
+            started = time.perf_counter()
+            off = ahead_off.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
+            off_wall += time.perf_counter() - started
+            off_rounds += off.stats.rounds
         started, cpu = time.perf_counter(), time.process_time()
         gen = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
         local_wall += time.perf_counter() - started
@@ -72,15 +81,18 @@ def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_
         result = client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
         remote_wall += time.perf_counter() - started
         remote_cpu += cpu_seconds(pids) - cpu
-        identical &= result.token_ids == gen.token_ids
+        identical &= result.token_ids == gen.token_ids and (ahead_off is None or off.token_ids == gen.token_ids)
         outputs.append(gen.token_ids)
         rounds += gen.stats.rounds
         tokens += len(gen.token_ids)
+        local_hits += gen.stats.ahead_rounds
+        remote_hits += result.stats["ahead_rounds"]
+        remote_rounds += result.stats["rounds"]
         for phase in ENGINE_PHASES:
             local[phase] += gen.stats.seconds[phase]
         for phase in SERVICE_PHASES:
             remote[phase] += result.stats["service_seconds"][phase]
-    return {
+    record = {
         "identical": identical,
         "outputs": outputs,
         "rounds": rounds,
@@ -92,7 +104,13 @@ def one_at_a_time(engine: Engine, client: Client, prompts: list[list[int]], max_
         "service_tokens_per_s": tokens / remote_wall,
         "in_process_cpu_ms_per_round": 1e3 * local_cpu / rounds,
         "service_cpu_ms_per_round": 1e3 * remote_cpu / rounds,
+        "in_process_ahead_hit_rate": local_hits / rounds,
+        "service_ahead_hit_rate": remote_hits / remote_rounds,
     }
+    if ahead_off is not None:
+        record["in_process_ahead_off_ms_per_round"] = 1e3 * off_wall / off_rounds
+        record["in_process_ahead_off_tokens_per_s"] = tokens / off_wall
+    return record
 
 
 def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -176,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
     target, drafter = config.models()
     torch.set_num_threads(1)  # as each worker runs
     engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
+    ahead_off = Engine.from_pretrained(target, drafter, tree=config.tree) if args.draft_ahead else None
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
     workers = args.draft_workers + args.target_workers
     config = replace(
@@ -189,7 +208,7 @@ def run(args: argparse.Namespace) -> dict:
         engine.generate(prompts[0], max_new_tokens=8)  # warm-up both paths
         client.generate(prompts[0], max_new_tokens=8)
         for _ in range(args.repeats):
-            sequential.append(one_at_a_time(engine, client, prompts, args.max_new_tokens))
+            sequential.append(one_at_a_time(engine, client, prompts, args.max_new_tokens, ahead_off))
             parallel.append(concurrently(client, prompts, args.max_new_tokens))
 
     def median(runs: list[dict], *keys: str) -> float:
@@ -224,6 +243,8 @@ def run(args: argparse.Namespace) -> dict:
             "service_overhead": service_ms / local_ms - 1,
             "in_process_cpu_ms_per_round": median(sequential, "in_process_cpu_ms_per_round"),
             "service_cpu_ms_per_round_coordinator_and_workers": median(sequential, "service_cpu_ms_per_round"),
+            "in_process_ahead_hit_rate": median(sequential, "in_process_ahead_hit_rate"),
+            "service_ahead_hit_rate": median(sequential, "service_ahead_hit_rate"),
         },
         "throughput": {
             "in_process_tokens_per_s": median(sequential, "in_process_tokens_per_s"),
@@ -239,6 +260,11 @@ def run(args: argparse.Namespace) -> dict:
             "concurrent_request_latency_s": {q: median(parallel, "latency_s", q) for q in ("p50", "p99")},
         },
     }
+    if ahead_off is not None:
+        off_ms = median(sequential, "in_process_ahead_off_ms_per_round")
+        record["one_at_a_time"]["in_process_ahead_off_ms_per_round"] = off_ms
+        record["throughput"]["in_process_ahead_off_tokens_per_s"] = median(sequential, "in_process_ahead_off_tokens_per_s")
+        record["throughput"]["service_over_in_process_ahead_off"] = one / record["throughput"]["in_process_ahead_off_tokens_per_s"]
     if args.vllm_eagle:
         peer = vllm_eagle(target, prompts, args.max_new_tokens, args.vllm_k, args.repeats)
         peer["service_over_vllm_one_at_a_time"] = one / peer["one_at_a_time_tokens_per_s"]

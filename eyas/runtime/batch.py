@@ -41,6 +41,26 @@ class RowsCall:
     top_k_last: bool = False  # ... of its last row only
 
 
+def merge_calls(calls: list[RowsCall]) -> RowsCall:
+    """Calls on one slot whose rows follow one another, as one call: each row sees exactly what it saw in its own
+    call (a block of `visible` per call). Splitting the result back by rows gives each call's own."""
+    first, last = calls[0], calls[-1]
+    end = last.start + int(last.tokens.shape[0])
+    visible = torch.zeros(end - first.start, end, dtype=torch.bool)  # [sum N, end]
+    at = first.start
+    for call in calls:
+        n = int(call.tokens.shape[0])
+        if call.slot != first.slot or call.start != at or call.top_k_last or (call.states is None) != (first.states is None):
+            raise ValueError("merge_calls: calls must share a slot and kind and write rows that follow one another")
+        visible[at - first.start : at - first.start + n, : at + n] = call.visible
+        at += n
+    states = None if first.states is None else torch.cat([c.states for c in calls])  # [sum N, d]
+    return RowsCall(
+        first.slot, first.start, torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls]),
+        visible, states, max(c.top_k for c in calls),
+    )
+
+
 @dataclass
 class Packed:
     tokens: torch.Tensor  # [B, N]

@@ -39,7 +39,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., manifest_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_round_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., trace: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("rounds", "target_forwards", "tokens", "accepted_length_histogram", "mean_accept_length", "seconds", "service_seconds", "rebuilds")
+    __slots__ = ("rounds", "target_forwards", "tokens", "accepted_length_histogram", "mean_accept_length", "seconds", "service_seconds", "rebuilds", "ahead_rounds", "ahead_tokens")
     class SecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class RequestStats(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     target_forwards: int
     tokens: int
@@ -70,7 +72,9 @@ class RequestStats(_message.Message):
     seconds: _containers.ScalarMap[str, float]
     service_seconds: _containers.ScalarMap[str, float]
     rebuilds: int
-    def __init__(self, rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., mean_accept_length: _Optional[float] = ..., seconds: _Optional[_Mapping[str, float]] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., rebuilds: _Optional[int] = ...) -> None: ...
+    ahead_rounds: int
+    ahead_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., mean_accept_length: _Optional[float] = ..., seconds: _Optional[_Mapping[str, float]] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., rebuilds: _Optional[int] = ..., ahead_rounds: _Optional[int] = ..., ahead_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("ref", "token_ids", "text", "finish_reason", "stats", "trace")
