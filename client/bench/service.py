@@ -114,9 +114,9 @@ def one_at_a_time(
 
 
 def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """All prompts at once through the service: tokens/s, each request's latency (p50, p99), how busy each pool's
-    workers were, and how many CPU cores the coordinator and workers got (on a shared machine, the ceiling of any
-    concurrency gain)."""
+    """All prompts at once through the service: tokens/s, each request's latency (p50, p99), where a round's time
+    went (as `one_at_a_time` splits it, now with batch-mates), how busy each pool's workers were, and how many CPU
+    cores the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain)."""
     pids = service_pids(client)
     before, cpu = busy_seconds(client), cpu_seconds(pids)
     counted = forward_counters(client)
@@ -137,8 +137,10 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
         forwards[pool] = {"calls_per_forward": (calls - calls0) / max(1, n - n0), "forward_busy_fraction": (seconds - seconds0) / wall}
     tokens_per_s = sum(len(r.token_ids) for r in results) / wall
     latency = dict(zip(("p50", "p99"), percentiles(latencies, (50, 99))))
+    rounds = sum(r.stats["rounds"] for r in results)
+    split = {p: 1e3 * sum(r.stats["service_seconds"][p] for r in results) / rounds for p in SERVICE_PHASES}
     return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "forwards": forwards,
-            "cores": cores, "latency_s": latency}
+            "cores": cores, "latency_s": latency, "breakdown_ms_per_round": split}
 
 
 def percentiles(values: list[float], ranks: tuple[float, ...]) -> list[float]:
@@ -258,6 +260,7 @@ def run(args: argparse.Namespace) -> dict:
             },
             "concurrent_cpu_cores_used_by_service": median(parallel, "cores"),
             "concurrent_request_latency_s": {q: median(parallel, "latency_s", q) for q in ("p50", "p99")},
+            "concurrent_breakdown_ms_per_round": {p: median(parallel, "breakdown_ms_per_round", p) for p in SERVICE_PHASES},
         },
     }
     if ahead_off is not None:
