@@ -153,6 +153,8 @@ def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_
     draft.ahead.clear()
     draft.propose(0, request.root_token, engine.tree)
     assert run_job(draft, 1) == 1 and draft.ahead == {}  # the decision arrives after one step: no tree grows further
+    draft.propose(0, request.root_token, engine.tree)
+    assert run_job(draft, 2) == 2 and draft.ahead == {}  # ... or once the trees have begun: the half-built ones are dropped
     for version in range(2):
         verification = target_session.verify(proposal.tree, version, request.sampling)
         publish(request, verification.decision, verification.features, target_session, draft)
