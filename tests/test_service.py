@@ -66,6 +66,22 @@ def test_concurrent_greedy_output_equals_engine_and_hugging_face(svc):
     assert len(workers) == 4 and all(w["calls"] > 0 for w in workers), "least-loaded routing uses every worker"
 
 
+def test_draft_ahead_hits_in_each_requests_stats_add_up_to_the_metric(svc):
+    """Drafting ahead is on here: each request's stats split its rounds into those that verified a pre-built tree
+    and the rest as the service's round counter does, and its hits never exceed its rounds and tokens."""
+    def rounds(tree: str) -> float:
+        return svc["client"].status()["metrics"].get(f"eyas_rounds_total{{tree={tree}}}", 0.0)
+
+    before = rounds("hit"), rounds("fresh")
+    results = run_concurrently(svc["client"], [{"prompt": p, "max_new_tokens": 24} for p in PROMPTS[:8]])
+    hits, fresh = rounds("hit") - before[0], rounds("fresh") - before[1]
+    assert sum(r.stats["ahead_rounds"] for r in results) == hits
+    assert sum(r.stats["rounds"] for r in results) == hits + fresh > 0
+    for r in results:
+        assert 0 <= r.stats["ahead_rounds"] <= r.stats["rounds"] and 0 <= r.stats["ahead_tokens"] <= r.stats["tokens"]
+        assert r.stats["ahead_tokens"] >= r.stats["ahead_rounds"]  # a verified round commits at least its bonus token
+
+
 def test_prometheus_metrics_agree_with_the_status_and_the_rounds_served(svc):
     status = svc["client"].status()
     host_port = status["metrics_address"]
