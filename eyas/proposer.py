@@ -411,8 +411,8 @@ class DraftSession:
             states = split_rows(out.states, lengths)
             tokens = split_rows(out.tokens, lengths) if out.tokens is not None else [None] * len(calls)
             probs = split_rows(out.probs, lengths) if out.probs is not None else [None] * len(calls)
-            for i, call, s, t, p in zip(order, calls, states, tokens, probs):
-                resume(i, DraftRows(s, t if t is None else t[:, : call.top_k], p if p is None else p[:, : call.top_k]))
+            for i, s, t, p in zip(order, states, tokens, probs):
+                resume(i, DraftRows(s, t, p))
         return grown
 
     def _settle_ahead(self) -> None:

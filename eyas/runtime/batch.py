@@ -42,22 +42,24 @@ class RowsCall:
 
 
 def merge_calls(calls: list[RowsCall]) -> RowsCall:
-    """Calls on one slot whose rows follow one another, as one call: each row sees exactly what it saw in its own
-    call (a block of `visible` per call). Splitting the result back by rows gives each call's own."""
+    """Calls on one slot whose rows follow one another (and ask for the same top-k), as one call: each row sees
+    exactly what it saw in its own call (a block of `visible` per call). Splitting the result back by rows gives
+    each call's own."""
     first, last = calls[0], calls[-1]
     end = last.start + int(last.tokens.shape[0])
     visible = torch.zeros(end - first.start, end, dtype=torch.bool)  # [sum N, end]
     at = first.start
     for call in calls:
         n = int(call.tokens.shape[0])
-        if call.slot != first.slot or call.start != at or call.top_k_last or (call.states is None) != (first.states is None):
+        same_kind = call.top_k == first.top_k and not call.top_k_last and (call.states is None) == (first.states is None)
+        if call.slot != first.slot or call.start != at or not same_kind:
             raise ValueError("merge_calls: calls must share a slot and kind and write rows that follow one another")
         visible[at - first.start : at - first.start + n, : at + n] = call.visible
         at += n
     states = None if first.states is None else torch.cat([c.states for c in calls])  # [sum N, d]
     return RowsCall(
         first.slot, first.start, torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls]),
-        visible, states, max(c.top_k for c in calls),
+        visible, states, first.top_k,
     )
 
 
