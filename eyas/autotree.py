@@ -7,10 +7,18 @@ tree is a sub-tree of the exploration tree, and the target has verified its node
 smaller policy's expansion and reranking on the recorded nodes gives its expected accepted length
 exactly (greedy) or in expectation (sampling), as far as the target verified those nodes. A wide
 tree's budget goes to the highest-confidence nodes, so where the drafter's confidence is flat (a
-high-entropy target decoded greedily) its deep greedy path goes unverified: exploration therefore
-alternates the wide tree with a deep chain, and chains are scored on the chain rounds. Expected
-tokens per round over predicted round time picks the policy. Realised acceptance is watched; when it drifts from the prediction, or after a
-while, the tuner explores again.
+high-entropy target decoded greedily) its deep paths go unverified. Exploration therefore takes three
+trees in turn: the wide one (scores width 3 and up), a narrow one of width 2 whose budget verifies
+every node it records (scores width 2 exactly), and a deep chain (scores chains exactly). Nodes a wide
+round left unverified count at the acceptance rate verified nodes of the same drafter probability had
+(`Calibration`), not at 0. Expected tokens per round over predicted round time picks the policy.
+Realised acceptance is watched; when it drifts from the prediction, or after a while, the tuner
+explores again.
+
+A few first rounds are one prompt's opening, a poor sample of the acceptance to come: after them, one round
+in `explore_every` explores again (the three trees in turn), each policy's score is kept over the last rounds
+explored, and every concurrency chooses again on them. Requests stepping together explore that often per
+request, not per round, since an exploring round widens the forward its batch-mates share.
 
 The costs measured at start are warm and alone; inside rounds the same forwards cost more (the other
 model's weights have left the cache, batch-mates' rows share the forward). Every batched forward the
@@ -35,6 +43,8 @@ from .tree import DraftTree, TreePolicy
 
 EXPLORE = TreePolicy(width=8, depth=8, budget=64)
 EXPLORE_CHAIN = TreePolicy(width=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
+EXPLORE_NARROW = TreePolicy(width=2, depth=EXPLORE.depth, budget=2 + (EXPLORE.depth - 1) * 4)  # verifies all it records
+EXPLORATIONS = (EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN)  # in the order exploring rounds take them
 LOCKSTEP_ROUNDS = 8  # rounds at a concurrency before its lockstep cost per level counts (and the choice is redone)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -175,17 +185,52 @@ def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192,
     return Costs(list(VERIFY_ROWS), verify, list(DRAFT_ROWS), steps)
 
 
+class Calibration:
+    """How often the target accepts a drafted node, given its parent was accepted, by the drafter's own conditional
+    probability of that node: learned from every node the exploring rounds verified, recent rounds weighing more.
+    Replays assume these rates for the nodes an exploration tree recorded but left unverified (a wide tree's budget
+    goes to shallow siblings and can leave a narrow policy's deep nodes out, which would otherwise count 0)."""
+
+    BINS = 10  # equal-width bins of the drafter's probability
+    PRIOR = 2.0  # pseudo-nodes pulling a bin towards its own mid probability (the drafter taken at its word)
+    DECAY = 0.97  # weight left to earlier rounds at each new one
+
+    def __init__(self) -> None:
+        self.accepted = [0.0] * self.BINS
+        self.counts = [0.0] * self.BINS
+
+    @classmethod
+    def bin(cls, probability: float) -> int:
+        return min(cls.BINS - 1, int(probability * cls.BINS))
+
+    def add(self, tree: DraftTree, accept: dict[int, float]) -> None:
+        """Fold in one verified round: accept[node] as in `Replay`."""
+        self.accepted = [a * self.DECAY for a in self.accepted]
+        self.counts = [c * self.DECAY for c in self.counts]
+        for node, probability in accept.items():
+            if node:
+                b = self.bin(tree.confidences[node])
+                self.accepted[b] += probability
+                self.counts[b] += 1.0
+
+    def rates(self) -> list[float]:
+        """Acceptance rate of each bin."""
+        return [(a + self.PRIOR * (b + 0.5) / self.BINS) / (c + self.PRIOR) for b, (a, c) in enumerate(zip(self.accepted, self.counts))]
+
+
 class Replay:
     """One explored round, prepared for replaying many policies on its recorded nodes.
 
-    accept[node]: probability the node is accepted given its parent was (verified nodes only; others count 0).
+    accept[node]: probability the node is accepted given its parent was (verified nodes). A node left unverified
+    counts its rate under `rates` (`Calibration.rates`, frozen when the round was explored), or 0 without them.
     The children of every node are kept in the drafter's own top-k order, and each (width, depth) expansion is
     replayed once: its nodes in global order give the expected accepted tokens of every budget as a prefix sum.
     """
 
-    def __init__(self, tree: DraftTree, accept: dict[int, float]):
+    def __init__(self, tree: DraftTree, accept: dict[int, float], rates: list[float] | None = None):
         self.tree = tree
         self.accept = accept
+        self.rates = rates
         self.children: dict[int, list[int]] = {}
         for node in range(1, len(tree)):
             self.children.setdefault(tree.parents[node], []).append(node)
@@ -201,6 +246,12 @@ class Replay:
         by_budget = self._by_budget[key]
         return by_budget[min(policy.budget, len(by_budget) - 1)]
 
+    def _acceptance(self, node: int) -> float:
+        probability = self.accept.get(node)
+        if probability is not None:
+            return probability
+        return self.rates[Calibration.bin(self.tree.confidences[node])] if self.rates else 0.0
+
     def _replay(self, width: int, depth: int) -> list[float]:
         """[b] expected accepted tokens of the best b nodes the (width, depth) expansion records, b = 0 .. all."""
         tree = self.tree
@@ -212,9 +263,46 @@ class Replay:
         on_path = {0: 1.0}
         by_budget = [0.0]
         for node in tree.ranked(recorded):  # every prefix of the global order is ancestor-closed
-            on_path[node] = on_path[tree.parents[node]] * self.accept.get(node, 0.0)
+            on_path[node] = on_path[tree.parents[node]] * self._acceptance(node)
             by_budget.append(by_budget[-1] + on_path[node])
         return by_budget
+
+
+class Explored:
+    """The last `size` explored rounds of one kind (wide trees or chains) and, for every policy scored so far, its
+    total expected tokens per round over them, kept up to date as rounds come and go: scoring the grid again after
+    each new round costs one replay of that round, not one of every round."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.replays: deque[Replay] = deque()
+        self._sums: dict[TreePolicy, tuple[float, float]] = {}  # policy -> sum and sum of squares of its tokens
+
+    def __len__(self) -> int:
+        return len(self.replays)
+
+    def append(self, replay: Replay) -> None:
+        """Add an explored round, dropping the oldest once `size` are kept."""
+        if len(self.replays) == self.size:
+            self._add(self.replays.popleft(), -1.0)
+        self.replays.append(replay)
+        self._add(replay, 1.0)
+
+    def _add(self, replay: Replay, sign: float) -> None:
+        for policy, (total, squares) in self._sums.items():
+            x = 1.0 + replay.expected(policy)
+            self._sums[policy] = (total + sign * x, squares + sign * x * x)
+
+    def tokens(self, policy: TreePolicy) -> tuple[float, float]:
+        """(mean, variance of that mean) of the tokens per round `policy` would have committed on these rounds."""
+        if policy not in self._sums:
+            values = [1.0 + replay.expected(policy) for replay in self.replays]
+            self._sums[policy] = (sum(values), sum(x * x for x in values))
+        total, squares = self._sums[policy]
+        n = len(self.replays)
+        mean = total / n
+        spread = max(0.0, squares - n * mean * mean) / max(1, n - 1)
+        return mean, spread / n
 
 
 def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
@@ -241,18 +329,23 @@ class TreeTuner:
     """
 
     costs: Costs
-    explore_rounds: int = 16  # half wide-tree, half chain rounds: acceptance varies a lot from round to round
+    explore_rounds: int = 18  # the three EXPLORATIONS in turn: acceptance varies a lot from round to round
+    explore_every: int = 48  # after those, one round in this many (per request) explores again; 0: never
     revisit_every: int = 400
     drift: float = 0.25
-    explored: deque = field(default_factory=lambda: deque(maxlen=32))  # Replay of each EXPLORE round
-    explored_chains: deque = field(default_factory=lambda: deque(maxlen=32))  # the same for EXPLORE_CHAIN rounds
+    explored: Explored = field(default_factory=Explored)  # the last EXPLORE rounds
+    explored_narrow: Explored = field(default_factory=Explored)  # the last EXPLORE_NARROW rounds
+    explored_chains: Explored = field(default_factory=Explored)  # the last EXPLORE_CHAIN rounds
+    calibration: Calibration = field(default_factory=Calibration)  # for the nodes exploring rounds left unverified
     realised: deque = field(default_factory=lambda: deque(maxlen=48))  # (tokens, predicted tokens) per round
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))
     levels: dict[int, deque] = field(default_factory=dict)  # concurrency -> drafting seconds per level beyond the model
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0
     since_choice: int = 0
-    history: list[dict] = field(default_factory=list)
+    history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
+    refreshes: int = 0  # exploring rounds run since the first exploration
+    _credit: float = 0.0  # rounds towards the next exploring one, each over the requests stepping with it
 
     def __post_init__(self) -> None:
         self.exploring = self.explore_rounds
@@ -263,11 +356,17 @@ class TreeTuner:
         return self.choices[1].policy if 1 in self.choices else EXPLORE
 
     def policy(self, concurrent: int = 1) -> TreePolicy:
-        """The next round's policy when `concurrent` requests step together: exploration rounds alternate
-        EXPLORE_CHAIN and EXPLORE, then the chosen one."""
-        if not self.exploring:
-            return self.choice(concurrent).policy
-        return EXPLORE_CHAIN if self.exploring % 2 else EXPLORE
+        """The next round's policy when `concurrent` requests step together: exploration rounds take EXPLORATIONS
+        in turn, then the chosen one, with one exploring round in every `explore_every` per request."""
+        if self.exploring:
+            return EXPLORATIONS[(self.explore_rounds - self.exploring) % len(EXPLORATIONS)]
+        if self.explore_every:
+            self._credit += 1.0 / concurrent
+            if self._credit >= self.explore_every:
+                self._credit = 0.0
+                self.refreshes += 1
+                return EXPLORATIONS[(self.refreshes - 1) % len(EXPLORATIONS)]
+        return self.choice(concurrent).policy
 
     def choice(self, concurrent: int) -> Choice:
         if concurrent not in self.choices:
@@ -279,14 +378,15 @@ class TreeTuner:
         on drift or after a while."""
         self._measure_lockstep(record, concurrent)
         if self.exploring:
-            if record.draft_tree is not None and record.row_probs is not None:
-                accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
-                (self.explored_chains if record.policy == EXPLORE_CHAIN else self.explored).append(Replay(record.draft_tree, accept))
+            self._explored(record, concurrent)
             self.exploring -= 1
-            self._calibrate(record, concurrent)
             if not self.exploring:
                 self.choices.clear()
                 self.choose(concurrent)
+            return
+        if record.policy in EXPLORATIONS:  # one of the exploring rounds interleaved with the chosen ones
+            self._explored(record, concurrent)
+            self.choices.clear()  # every concurrency chooses again, on the rounds explored so far
             return
         chosen = self.choices.get(concurrent)
         if chosen is None or chosen.policy != record.policy:
@@ -297,6 +397,15 @@ class TreeTuner:
             if self.drifted() or self.since_choice >= self.revisit_every:
                 self.exploring = self.explore_rounds
                 self.realised.clear()
+
+    def _explored(self, record: RoundRecord, concurrent: int) -> None:
+        """Keep an exploring round for replays and learn the bookkeeping cost from it."""
+        if record.draft_tree is not None and record.row_probs is not None:
+            accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
+            self.calibration.add(record.draft_tree, accept)
+            replay = Replay(record.draft_tree, accept, self.calibration.rates())
+            self.rounds_of(record.policy).append(replay)
+        self._calibrate(record, concurrent)
 
     def drifted(self) -> bool:
         """Realised tokens per round differ from the prediction by more than `drift`, beyond three standard errors."""
@@ -340,33 +449,36 @@ class TreeTuner:
             return
         alone = statistics.median(self.levels[1]) if 1 in self.levels else 0.0
         self.costs.lockstep_per_level[concurrent] = max(0.0, statistics.median(samples) - concurrent * alone)
-        if len(samples) == LOCKSTEP_ROUNDS and not self.exploring and (self.explored or self.explored_chains):
+        if len(samples) == LOCKSTEP_ROUNDS and not self.exploring and self._any_explored():
             self.choose(concurrent)
 
-    def rounds_for(self, policy: TreePolicy) -> deque:
-        """Explored rounds that measure `policy`: the chain rounds for a chain, the wide-tree rounds otherwise."""
-        return (self.explored_chains if policy.width == 1 else self.explored) or self.explored or self.explored_chains
+    def rounds_for(self, policy: TreePolicy) -> Explored:
+        """Explored rounds that measure `policy`: the chain rounds for a chain, the narrow-tree rounds (which verify
+        every node a policy of width 2 can record) for width 2, the wide-tree rounds otherwise; any kind there is
+        while that one has none."""
+        kind = EXPLORE_CHAIN if policy.width == 1 else EXPLORE_NARROW if policy.width == 2 else EXPLORE
+        return self.rounds_of(kind) or self.explored or self.explored_narrow or self.explored_chains
 
-    def per_round(self, policy: TreePolicy) -> list[float]:
-        """Expected tokens of each explored round of its kind, had `policy` drafted it."""
-        return [1.0 + replay.expected(policy) for replay in self.rounds_for(policy)]
+    def rounds_of(self, exploration: TreePolicy) -> Explored:
+        """Where the rounds of one of EXPLORATIONS are kept."""
+        return {EXPLORE: self.explored, EXPLORE_NARROW: self.explored_narrow, EXPLORE_CHAIN: self.explored_chains}[exploration]
+
+    def _any_explored(self) -> bool:
+        return bool(self.explored or self.explored_narrow or self.explored_chains)
 
     def score(self, policy: TreePolicy, concurrent: int = 1) -> tuple[float, float]:
         """(expected tokens per round, expected tokens per second of each request) of `policy` on the explored rounds
         of its kind, when `concurrent` requests step together."""
-        values = self.per_round(policy)
-        tokens = sum(values) / len(values)
+        tokens, _ = self.rounds_for(policy).tokens(policy)
         return tokens, tokens / self.costs.round_seconds(policy, tokens, concurrent)
 
     def choose(self, concurrent: int = 1) -> TreePolicy:
         """The grid policy with the highest expected tokens per second for `concurrent` requests stepping together."""
-        if not self.explored and not self.explored_chains:
+        if not self._any_explored():
             return self.current
         scored = [(self.score(p, concurrent), p) for p in grid()]
         (tokens, rate), best = max(scored, key=lambda item: item[0][1])
-        per_round = self.per_round(best)
-        spread = sum((x - tokens) ** 2 for x in per_round) / max(1, len(per_round) - 1)
-        self.choices[concurrent] = Choice(best, tokens, spread / len(per_round))
+        self.choices[concurrent] = Choice(best, tokens, self.rounds_for(best).tokens(best)[1])
         self.since_choice = 0
         self.history.append({"policy": best, "concurrent": concurrent, "tokens_per_round": tokens, "tokens_per_s": rate})
         return best

@@ -10,14 +10,28 @@ from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
-from eyas.autotree import EXPLORE, EXPLORE_CHAIN, LOCKSTEP_ROUNDS, MIN_OBSERVED, Costs, TreeTuner, expected_accepted, fit_line, grid
+from eyas.autotree import (
+    EXPLORATIONS,
+    EXPLORE,
+    EXPLORE_CHAIN,
+    EXPLORE_NARROW,
+    LOCKSTEP_ROUNDS,
+    MIN_OBSERVED,
+    Calibration,
+    Costs,
+    Replay,
+    TreeTuner,
+    expected_accepted,
+    fit_line,
+    grid,
+)
 from eyas.drafters import drafter_config
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
 from eyas.rounds import start
 from eyas.sampling import SamplingParams
 from eyas.target import TargetSession
-from eyas.tree import TreePolicy
+from eyas.tree import DraftTree, TreePolicy
 
 PROMPT = [5, 17, 33, 8, 9, 41, 77, 12]
 
@@ -84,9 +98,10 @@ def test_tuner_trades_acceptance_against_this_machines_costs(engine):
     assert saturating.policy(8) == batched and saturating.policy(1) == alone
 
 
-def test_exploration_alternates_a_deep_chain_and_scores_chains_on_it(engine):
-    """A wide tree may leave the greedy path unverified; the chain rounds measure it exactly."""
-    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
+def test_exploration_takes_three_trees_and_scores_chains_and_width_two_exactly(engine):
+    """A wide tree may leave deep paths unverified; the chain rounds and the narrow rounds (which verify every node
+    they record) measure chains and width-2 policies exactly."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=6, explore_every=0)
     rounds = []
     saved = engine.tree, engine._tuner
     engine.tree, engine._tuner = "auto", tuner
@@ -95,13 +110,68 @@ def test_exploration_alternates_a_deep_chain_and_scores_chains_on_it(engine):
     finally:
         engine.tree, engine._tuner = saved
     assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 30]
-    assert [r.policy for r in rounds[:4]] == [EXPLORE, EXPLORE_CHAIN, EXPLORE, EXPLORE_CHAIN]
-    assert len(tuner.explored) == len(tuner.explored_chains) == 2
-    chains = [r for r in rounds[:4] if r.policy == EXPLORE_CHAIN]
+    assert [r.policy for r in rounds[:6]] == [EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN] * 2
+    assert len(tuner.explored) == len(tuner.explored_narrow) == len(tuner.explored_chains) == 2
+    chains = [r for r in rounds[:6] if r.policy == EXPLORE_CHAIN]
     for depth in (1, 3, EXPLORE.depth):
         chain = TreePolicy(1, depth, depth)
         expected = sum(min(r.decision.num_accepted, depth) for r in chains) / len(chains)
         assert tuner.score(chain)[0] == 1.0 + expected
+    narrow = [r for r in rounds[:6] if r.policy == EXPLORE_NARROW]
+    assert all(len(r.row_nodes) == len(r.draft_tree) for r in narrow)  # every recorded node verified
+    assert tuner.score(EXPLORE_NARROW)[0] == 1.0 + sum(r.decision.num_accepted for r in narrow) / len(narrow)
+    for policy in (TreePolicy(2, 3, 6), TreePolicy(2, 5, 12)):
+        exact = [expected_accepted(r.draft_tree, dict(zip(r.row_nodes, r.row_probs.tolist())), policy) for r in narrow]
+        assert tuner.score(policy)[0] == pytest.approx(1.0 + sum(exact) / len(exact))
+
+
+def test_after_the_first_rounds_one_in_explore_every_explores_again_per_request(engine):
+    """Exploring goes on between chosen rounds (the three trees in turn), each time choosing again; requests stepping
+    together explore that often per request."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=4)
+    rounds = []
+    saved = engine.tree, engine._tuner
+    engine.tree, engine._tuner = "auto", tuner
+    try:
+        gen = engine.generate(PROMPT, max_new_tokens=40, on_round=rounds.append)
+    finally:
+        engine.tree, engine._tuner = saved
+    assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 40]
+    assert len(rounds) >= 11
+    assert [r.policy for r in rounds[:3]] == list(EXPLORATIONS)
+    assert rounds[6].policy == EXPLORE and rounds[10].policy == EXPLORE_NARROW
+    assert all(r.policy not in EXPLORATIONS for i, r in enumerate(rounds[3:11], 3) if i not in (6, 10))
+    for kind in EXPLORATIONS:
+        assert len(tuner.rounds_of(kind)) == sum(r.policy == kind for r in rounds)
+    refreshed = [i for i, r in enumerate(rounds[3:], 3) if r.policy in EXPLORATIONS]
+    assert tuner.refreshes == len(refreshed)
+    assert len(tuner.history) >= 1 + sum(i + 1 < len(rounds) for i in refreshed)  # the round after one chooses again
+    together = TreeTuner(tuner.costs, explore_rounds=0, explore_every=4)
+    together.explored, together.explored_narrow, together.explored_chains = tuner.explored, tuner.explored_narrow, tuner.explored_chains
+    for _ in range(16):
+        together.policy(2)
+    assert together.refreshes == 2
+
+
+def test_nodes_a_wide_round_left_unverified_count_at_their_calibrated_rate():
+    """A node recorded but not verified counts at the acceptance verified nodes of its drafter probability had
+    (pulled towards that probability while few were seen), not at 0."""
+    tree = DraftTree(0)
+    a, b = tree.add_children([0], [(0, 1, 0.75), (0, 2, 0.2)])
+    (c,) = tree.add_children([a], [(a, 3, 0.95)])
+    verified = {0: 1.0, a: 1.0, b: 0.0}  # c was recorded, left out of the budget
+    calibration = Calibration()
+    calibration.add(tree, verified)
+    rates = calibration.rates()
+    prior = Calibration.PRIOR
+    assert rates[Calibration.bin(0.75)] == pytest.approx((1.0 + prior * 0.75) / (1.0 + prior))
+    assert rates[Calibration.bin(0.2)] == pytest.approx((0.0 + prior * 0.25) / (1.0 + prior))
+    assert rates[Calibration.bin(0.95)] == pytest.approx(0.95)  # nothing seen there: the drafter's word
+    chain = TreePolicy(1, 2, 2)
+    assert Replay(tree, verified, rates).expected(chain) == pytest.approx(1.0 + rates[Calibration.bin(0.95)])
+    assert Replay(tree, verified).expected(chain) == 1.0  # without rates, an unverified node counts 0
+    calibration.add(tree, {0: 1.0, a: 0.0})
+    assert calibration.rates()[Calibration.bin(0.75)] < rates[Calibration.bin(0.75)]  # the latest round weighs more
 
 
 def test_bookkeeping_is_fitted_over_rows_through_medians():
