@@ -92,14 +92,14 @@ class DraftWorker(Worker):
             raise wire.WireError(f"{field}tokens", "a reseed carries at least the frontier token")
         return wire.features_from_proto(msg.features, f"{field}features", len(tokens), self.feature_width), tokens
 
-    def start_session(self, msg: pb.DraftStart, clock: Clock) -> pb.Ack:
-        """Seed a new session from the target's features of the committed tokens."""
+    def start_session(self, msg: pb.DraftStart, clock: Clock) -> Steps[pb.Ack]:
+        """Seed a new session from the target's features of the committed tokens (the drafter's prefill)."""
         self.new_session(msg.ref)
         features, tokens = self._features(msg, "")
         clock.lap("decode")
         session = DraftSession(self.model)
         try:
-            session.start(msg.ref.version, features, tokens)
+            yield from session.start_steps(msg.ref.version, features, tokens)
         except BaseException:
             session.close()
             raise

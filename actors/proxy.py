@@ -251,6 +251,10 @@ class RemoteDraft(RemoteSession):
         self.vocab_size = vocab_size
         self._reseed: tuple[int, torch.Tensor, list[int]] | None = None
 
+    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
+        """`start` as an operation of the request's start (the drafter's prefill runs on the worker)."""
+        return without_forwards(self.start, version, features, tokens)
+
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         def build():
             return pb.DraftStart(ref=self.ref(version), features=wire.tensor_to_proto(features), tokens=tokens)

@@ -20,6 +20,7 @@ from eyas.proposer import DraftModel, DraftSession
 from eyas.publish import publish
 from eyas.request import RequestState, StopRules, make_sampling
 from eyas.rounds import start
+from eyas.steps import Steps, without_forwards
 from eyas.target import TargetModel, TargetSession
 from eyas.trace.compare import Difference, Label, decision_difference, tree_difference
 from eyas.trace.invariants import Violation, check_trace
@@ -81,8 +82,8 @@ class ReplayReport:
 class _Unseeded:
     """The draft side when only the target replays: the publish transaction has nothing to reseed."""
 
-    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
-        pass
+    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
+        return without_forwards(lambda: None)
 
     def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         pass

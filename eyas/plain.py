@@ -24,6 +24,10 @@ class NoDraft:
         self.committed = 0
         self.version = 0
 
+    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
+        """`start` as an operation (it runs no forward)."""
+        return without_forwards(self.start, version, features, tokens)
+
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         """Begin at `version` on a target prefix of features.shape[0] committed rows."""
         self.committed = features.shape[0]

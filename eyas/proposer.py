@@ -208,11 +208,18 @@ class DraftSession:
         self.pending_tokens += [int(t) for t in tokens]
 
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
-        """Seed an empty session from a prefill of the committed tokens, at the request's `version`."""
+        """`start_steps` run alone."""
+        run_alone(self.start_steps(version, features, tokens))
+
+    @torch.no_grad()
+    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
+        """Seed an empty session from a prefill of the committed tokens, at the request's `version`: the drafter's
+        prefill, which writes their draft KV."""
         if self.length or self.written:
             raise RuntimeError("start runs once, on an empty draft session")
         self._queue(features, tokens)
         self.version = version
+        yield from self._run_pending()
 
     def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         """Publish step for the draft side: drop tree rows, queue the accepted rows' target features.

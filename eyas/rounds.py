@@ -50,7 +50,7 @@ class Verification:
 
 
 class Drafting(Protocol):
-    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None: ...
+    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]: ...
     def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]: ...
     def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None: ...
 
@@ -92,10 +92,11 @@ def start(request: RequestState, draft: Drafting, target: Verifying) -> None:
 
 
 def start_steps(request: RequestState, draft: Drafting, target: Verifying) -> Steps[None]:
-    """Prefill every committed token but the append-required root and seed the drafter with their features."""
+    """Prefill every committed token but the append-required root and seed the drafter with their features (the
+    drafter's own prefill: its KV of the prompt is written here, not in the first round)."""
     tokens = request.tokens
     features = yield from target.prefill_steps(request.version, tokens[:-1])  # [n - 1, F]
-    draft.start(request.version, features, tokens[1:])
+    yield from draft.start_steps(request.version, features, tokens[1:])
 
 
 def run_round(request: RequestState, draft: Drafting, target: Verifying, policy: TreePolicy) -> RoundRecord:

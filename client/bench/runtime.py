@@ -6,7 +6,8 @@ Three measurements, each against a peer timed in the same run on the same model 
 - time per round at a short and a long context against the HF step at the same two contexts
   (a commit moves only the accepted rows, so a round should grow no faster than a plain step);
 - `Engine.generate_batch` of several requests against the same requests one at a time.
-Prompts are held-out standard-library text (never trained on by the demo models).
+Prompts are held-out standard-library text (never trained on by the demo models). With `tree: auto`
+the tuner's first exploration runs before any phase, untimed, on a held-out prompt of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from eyas.engine import Engine
 from eyas.runtime.batch import pack
 from eyas.sampling import SamplingParams
 from eyas.target import TargetSession
-from eyas.tree import DraftTree, flatten
+from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.verify import decide
 
 from .harness import demo_suite
@@ -103,25 +104,40 @@ def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_
     return {"context": len(context), "plain_step_ms": plain, "rows": entries}
 
 
-def round_ms(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Mean milliseconds per round (drafting, tree, verification, publish) over `prompts`."""
-    seconds, rounds = 0.0, 0
+def settle(engine: Engine, prompt: list[int], max_new_tokens: int) -> None:
+    """Run tree auto's first exploration to its end on a prompt no phase times: otherwise the phase that runs first
+    pays all of it (every phase still pays the exploring rounds interleaved later)."""
+    for _ in range(16):
+        if engine.tree != "auto" or not engine.tuner.exploring:
+            return
+        engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
+
+
+def round_ms(engine: Engine, prompts: list[list[int]], max_new_tokens: int, tree: TreePolicy | None) -> tuple[float, float]:
+    """Mean milliseconds per round (drafting, tree, verification, publish) over `prompts`, and tokens per round."""
+    seconds, rounds, tokens = 0.0, 0, 0
     for prompt in prompts:
-        stats = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False).stats
-        seconds += sum(v for k, v in stats.seconds.items() if k != "prefill")
-        rounds += stats.rounds
-    return 1000 * seconds / rounds
+        gen = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
+        seconds += sum(v for k, v in gen.stats.seconds.items() if k != "prefill")
+        rounds += gen.stats.rounds
+        tokens += len(gen.token_ids)
+    return 1000 * seconds / rounds, tokens / rounds
 
 
 def context_scaling(
     engine: Engine, hf: torch.nn.Module, short: list[list[int]], long: list[list[int]], max_new_tokens: int, repeats: int
 ) -> dict:
-    """Round time on long contexts over short ones, against the same ratio for one plain HF step."""
-    result = {}
+    """Round time on long contexts over short ones, against the same ratio for one plain HF step. Both contexts
+    draft with one tree (with `tree: auto`, the one it chose for a lone request): a round's cost, not the tuner's
+    choice of tree, is what is compared."""
+    tree = engine.tuner.current if engine.tree == "auto" else None
+    result = {"tree": None if tree is None else vars(tree)}
     for name, contexts in (("short", short), ("long", long)):
+        ms, tokens = round_ms(engine, contexts, max_new_tokens, tree)
         result[name] = {
             "context": len(contexts[0]),
-            "round_ms": round_ms(engine, contexts, max_new_tokens),
+            "round_ms": ms,
+            "tokens_per_round": tokens,
             "plain_step_ms": statistics.median(median_ms(PlainStep(hf, c), repeats) for c in contexts),
         }
     result["round_ratio"] = result["long"]["round_ms"] / result["short"]["round_ms"]
@@ -188,7 +204,7 @@ def run(args) -> dict:
     """The whole runtime benchmark on the demo target (or the given models) as one JSON record."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    suite = demo_suite(args.batch)
+    suite = demo_suite(args.batch + 1)  # the last prompt settles tree auto, untimed
     target = Path(args.target) if args.target else suite.target
     drafter = Path(args.drafter) if args.drafter else suite.drafters["eagle3"]
     tree = "auto" if args.tree == "auto" else dict(zip(("width", "depth", "budget"), map(int, args.tree.split(","))))
@@ -196,6 +212,7 @@ def run(args) -> dict:
     dtype = engine.target.runtime.dtype
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(engine.target.runtime.device).eval()
     context = heldout_ids(engine, args.short_context, 1)[0]
+    settle(engine, suite.prompts[-1], args.max_new_tokens)
     record = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads()},
         "config": {"target": str(target), "drafter": str(drafter), "dtype": str(dtype).removeprefix("torch."),
