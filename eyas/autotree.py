@@ -201,6 +201,7 @@ class Calibration:
 
     @classmethod
     def bin(cls, probability: float) -> int:
+        """The bin of a drafter probability."""
         return min(cls.BINS - 1, int(probability * cls.BINS))
 
     def add(self, tree: DraftTree, accept: dict[int, float]) -> None:
@@ -269,7 +270,7 @@ class Replay:
 
 
 class Explored:
-    """The last `size` explored rounds of one kind (wide trees or chains) and, for every policy scored so far, its
+    """The last `size` explored rounds of one of EXPLORATIONS and, for every policy scored so far, its
     total expected tokens per round over them, kept up to date as rounds come and go: scoring the grid again after
     each new round costs one replay of that round, not one of every round."""
 
@@ -464,6 +465,7 @@ class TreeTuner:
         return {EXPLORE: self.explored, EXPLORE_NARROW: self.explored_narrow, EXPLORE_CHAIN: self.explored_chains}[exploration]
 
     def _any_explored(self) -> bool:
+        """Whether any exploring round has been kept yet."""
         return bool(self.explored or self.explored_narrow or self.explored_chains)
 
     def score(self, policy: TreePolicy, concurrent: int = 1) -> tuple[float, float]:
