@@ -48,6 +48,16 @@ def engine(tmp_path_factory):
     return engine
 
 
+def generate_auto(engine, tuner, drafter=None, **kwargs):
+    """`engine.generate(PROMPT, ...)` with tree auto driven by `tuner` (and `drafter` when given), restored after."""
+    saved = engine.tree, engine._tuner, engine.drafter
+    engine.tree, engine._tuner, engine.drafter = "auto", tuner, drafter or engine.drafter
+    try:
+        return engine.generate(PROMPT, **kwargs)
+    finally:
+        engine.tree, engine._tuner, engine.drafter = saved
+
+
 def one_round(engine, policy, params):
     request = RequestState("r", list(PROMPT), params, StopRules(64))
     target, draft = TargetSession(engine.target), DraftSession(engine.draft)
@@ -77,12 +87,7 @@ def test_tuner_trades_acceptance_against_this_machines_costs(engine):
     """Cheap verification rows: a wide, deep tree pays. Costly rows: a smaller budget wins. Output stays exact."""
     cheap = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
     second_choice = OracleDrafter(engine.drafter.config, engine.drafter.reference, rank=lambda p: 1)
-    saved = engine.tree, engine._tuner, engine.drafter
-    engine.tree, engine._tuner, engine.drafter = "auto", cheap, second_choice
-    try:
-        gen = engine.generate(PROMPT, max_new_tokens=30)
-    finally:
-        engine.tree, engine._tuner, engine.drafter = saved
+    gen = generate_auto(engine, cheap, second_choice, max_new_tokens=30)
     assert gen.token_ids == second_choice.reference[len(PROMPT) : len(PROMPT) + 30]
     assert {r["policy"] for r in cheap.history} and gen.stats.rounds > cheap.explore_rounds
     wide = cheap.history[0]["policy"]
@@ -103,12 +108,7 @@ def test_exploration_takes_three_trees_and_scores_chains_and_width_two_exactly(e
     they record) measure chains and width-2 policies exactly."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=6, explore_every=0)
     rounds = []
-    saved = engine.tree, engine._tuner
-    engine.tree, engine._tuner = "auto", tuner
-    try:
-        gen = engine.generate(PROMPT, max_new_tokens=30, on_round=rounds.append)
-    finally:
-        engine.tree, engine._tuner = saved
+    gen = generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
     assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 30]
     assert [r.policy for r in rounds[:6]] == [EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN] * 2
     assert len(tuner.explored) == len(tuner.explored_narrow) == len(tuner.explored_chains) == 2
@@ -130,12 +130,7 @@ def test_after_the_first_rounds_one_in_explore_every_explores_again_per_request(
     together explore that often per request."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=4)
     rounds = []
-    saved = engine.tree, engine._tuner
-    engine.tree, engine._tuner = "auto", tuner
-    try:
-        gen = engine.generate(PROMPT, max_new_tokens=40, on_round=rounds.append)
-    finally:
-        engine.tree, engine._tuner = saved
+    gen = generate_auto(engine, tuner, max_new_tokens=40, on_round=rounds.append)
     assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 40]
     assert len(rounds) >= 11
     assert [r.policy for r in rounds[:3]] == list(EXPLORATIONS)
@@ -192,12 +187,7 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
     second_choice = OracleDrafter(engine.drafter.config, engine.drafter.reference, rank=lambda p: 1)  # deep trees pay
     rounds = []
-    saved = engine.tree, engine._tuner, engine.drafter
-    engine.tree, engine._tuner, engine.drafter = "auto", tuner, second_choice
-    try:
-        engine.generate(PROMPT, max_new_tokens=30, on_round=rounds.append)
-    finally:
-        engine.tree, engine._tuner, engine.drafter = saved
+    generate_auto(engine, tuner, second_choice, max_new_tokens=30, on_round=rounds.append)
     # this machine's bookkeeping out of the way: the costs alone decide, and a lone level is known to cost 1 ms
     tuner.costs.overhead_per_depth = tuner.costs.overhead_per_round = tuner.costs.overhead_per_row = 0.0
     tuner.levels[1] = deque([0.001] * LOCKSTEP_ROUNDS)
@@ -232,12 +222,7 @@ def test_costs_follow_what_forwards_took_in_rounds():
 
 def test_the_engine_feeds_its_forwards_to_tree_auto(engine):
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=2)
-    saved = engine.tree, engine._tuner
-    engine.tree, engine._tuner = "auto", tuner
-    try:
-        gen = engine.generate(PROMPT, max_new_tokens=20)
-    finally:
-        engine.tree, engine._tuner = saved
+    gen = generate_auto(engine, tuner, max_new_tokens=20)
     assert len(tuner.costs.observed["verify"]) == gen.stats.target_forwards  # the prompt's prefill too: under 65 rows
     assert len(tuner.costs.observed["draft"]) >= gen.stats.rounds
     assert set(tuner.costs.scales) == {"verify", "draft"}
