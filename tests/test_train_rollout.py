@@ -79,6 +79,7 @@ def test_rollout_outputs_equal_the_drafters_tree_proposals(tmp_path, kind):
     features = tsession.prefill(0, prompt[:-1])
     dsession = DraftSession(DraftModel(drafter, 1, target.max_seq_len))
     dsession.start(0, features, prompt[1:])
+    assert dsession.committed == len(prompt) - 1 and not dsession.pending_tokens  # the drafter's prefill ran at start
     tree = dsession.propose(0, prompt[-1], TreePolicy(width=1, depth=4, budget=4)).tree
     chain = tree.tokens[1:].tolist()
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
