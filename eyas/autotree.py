@@ -41,9 +41,16 @@ from .runtime.batch import RowsCall
 from .target import TargetModel
 from .tree import DraftTree, TreePolicy
 
+
+def reachable(width: int, depth: int) -> int:
+    """Nodes a (width, depth) expansion records: `width` children of the root, then `width` children of each of the
+    `width` nodes it expands at every further depth."""
+    return width + (depth - 1) * width * width
+
+
 EXPLORE = TreePolicy(width=8, depth=8, budget=64)
 EXPLORE_CHAIN = TreePolicy(width=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
-EXPLORE_NARROW = TreePolicy(width=2, depth=EXPLORE.depth, budget=2 + (EXPLORE.depth - 1) * 4)  # verifies all it records
+EXPLORE_NARROW = TreePolicy(width=2, depth=EXPLORE.depth, budget=reachable(2, EXPLORE.depth))  # verifies all it records
 EXPLORATIONS = (EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN)  # in the order exploring rounds take them
 LOCKSTEP_ROUNDS = 8  # rounds at a concurrency before its lockstep cost per level counts (and the choice is redone)
 TOP_KS = (1, 2, 3, 4, 6, 8)
@@ -59,8 +66,7 @@ def grid() -> list[TreePolicy]:
     policies = [TreePolicy(1, d, d) for d in range(1, EXPLORE.depth + 1)]
     for k in TOP_KS[1:]:
         for d in range(1, EXPLORE.depth + 1):
-            reachable = k + (d - 1) * k * k
-            policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable]
+            policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable(k, d)]
     return policies
 
 
