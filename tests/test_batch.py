@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from eyas import Engine
 from eyas.errors import RequestError
 from eyas.runtime.batch import Lockstep, RowsCall, Scheduler, merge_calls
+from eyas.runtime.kv import slot_runs
 from eyas.steps import Forward
 from eyas.target import TargetSession
 from eyas.tree import TreeError
@@ -133,6 +134,35 @@ def test_merged_calls_of_one_slot_give_each_call_what_it_gets_alone(world):
             merge_calls([calls[0], calls[2]])
     finally:
         draft.pool.release(slot)
+
+
+def test_a_batch_over_scattered_slots_gives_each_call_what_it_gets_alone(world):
+    """Calls on slots out of order and with gaps between them (requests that finished leave holes) read each run of
+    consecutive slots as one view of the pool: every call's logits and features equal the call run by itself."""
+    target, drafter, _ = world
+    model = Engine.from_pretrained(target, drafter, kv_slots=8).target
+    slots = [model.pool.acquire(64) for _ in range(8)]
+    assert slots == list(range(8))  # the lowest free slot first
+    generator = torch.Generator().manual_seed(5)
+    try:
+        calls = []
+        for slot, prefix in zip((6, 2, 3, 0, 4), (9, 4, 13, 6, 1)):
+            tokens = torch.randint(0, 90, (prefix,), generator=generator)
+            model.run([model.call(slot, 0, tokens, torch.arange(prefix), torch.ones(prefix, prefix).tril().bool(), with_logits=False)])
+            n = int(torch.randint(1, 6, (), generator=generator))
+            rows_mask = torch.ones(n, n).tril().bool()
+            rows_mask[n - 1, 0] = n < 3  # a tree row that does not see its elder sibling
+            calls.append(model.call(slot, prefix, torch.randint(0, 90, (n,), generator=generator), torch.arange(prefix, prefix + n), rows_mask))
+        alone = [model.run([call])[0] for call in calls]
+        together = model.run(calls)
+        for one, many in zip(alone, together):
+            assert torch.allclose(one.logits, many.logits, atol=1e-5)
+            assert torch.allclose(one.features, many.features, atol=1e-5)
+    finally:
+        for slot in slots:
+            model.pool.release(slot)
+    assert slot_runs([6, 2, 3, 0, 4]) == [(6, 1), (2, 2), (0, 1), (4, 1)]
+    assert slot_runs([0, 2, 3, 4, 6]) == [(0, 1), (2, 3), (6, 1)]
 
 
 def test_a_failing_forward_fails_only_its_own_operations(world):

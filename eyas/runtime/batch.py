@@ -65,25 +65,29 @@ def merge_calls(calls: list[RowsCall]) -> RowsCall:
 
 @dataclass
 class Packed:
-    tokens: torch.Tensor  # [B, N]
+    tokens: torch.Tensor  # [B, N], entries in slot order
     positions: torch.Tensor  # [B, N]
     mask: torch.Tensor  # [B, 1, N, K]
     states: torch.Tensor | None  # [B, N, d]
-    lengths: list[int]
+    lengths: list[int]  # rows of each call, in call order
+    entries: list[int]  # the batch entry of each call
     kv: SlotBatch
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, ...] -> [R, ...]: the real rows of every call, call after call."""
         if len(self.lengths) == 1:
             return x[0, : self.lengths[0]]
-        return torch.cat([x[b, :n] for b, n in enumerate(self.lengths)])
+        return torch.cat([x[b, :n] for b, n in zip(self.entries, self.lengths)])
 
 
 def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False) -> Packed:
-    """Lay `calls` out as one padded batch over `pool`; `bucketed`: pad each call's rows (by at most 25%) so that the
-    batch's rows are a bucket of `Linear`'s, whose products then pad nothing themselves (runtime/linear.py)."""
+    """Lay `calls` out as one padded batch over `pool`, its entries in slot order (so that consecutive slots read as
+    one view of the pool, runtime/kv.py); `bucketed`: pad each call's rows (by at most 25%) so that the batch's rows
+    are a bucket of `Linear`'s, whose products then pad nothing themselves (runtime/linear.py)."""
     lengths = [int(c.tokens.shape[0]) for c in calls]
-    kv = pool.batch([c.slot for c in calls], [c.start for c in calls], lengths)
+    order = sorted(range(len(calls)), key=lambda i: calls[i].slot)  # batch entry -> call
+    entries = sorted(range(len(calls)), key=order.__getitem__)  # call -> batch entry
+    kv = pool.batch([calls[i].slot for i in order], [calls[i].start for i in order], [lengths[i] for i in order])
     device = pool.device
     b, n = len(calls), max(lengths)
     if bucketed:
@@ -91,22 +95,22 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False) -> Packed:
     if b == 1 and n == lengths[0]:
         call = calls[0]
         states = None if call.states is None else call.states[None].to(device)
-        return Packed(call.tokens[None].to(device), call.positions[None].to(device), call.visible[None, None].to(device), states, lengths, kv)
+        return Packed(call.tokens[None].to(device), call.positions[None].to(device), call.visible[None, None].to(device), states, lengths, entries, kv)
     tokens = torch.zeros(b, n, dtype=torch.long)
     positions = torch.zeros(b, n, dtype=torch.long)
     mask = torch.zeros(b, 1, n, kv.key_len, dtype=torch.bool)
     mask[:, 0, :, 0] = True  # pad rows see one key, so their softmax stays finite
     states = None if calls[0].states is None else calls[0].states.new_zeros(b, n, calls[0].states.shape[-1])
-    for i, call in enumerate(calls):
-        m = lengths[i]
-        tokens[i, :m] = call.tokens
-        positions[i, :m] = call.positions
-        mask[i, 0, :m, 0] = False
-        mask[i, 0, :m, : call.start + m] = call.visible
+    for e, i in enumerate(order):
+        call, m = calls[i], lengths[i]
+        tokens[e, :m] = call.tokens
+        positions[e, :m] = call.positions
+        mask[e, 0, :m, 0] = False
+        mask[e, 0, :m, : call.start + m] = call.visible
         if states is not None:
-            states[i, :m] = call.states
+            states[e, :m] = call.states
     states = None if states is None else states.to(device)
-    return Packed(tokens.to(device), positions.to(device), mask.to(device), states, lengths, kv)
+    return Packed(tokens.to(device), positions.to(device), mask.to(device), states, lengths, entries, kv)
 
 
 def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:

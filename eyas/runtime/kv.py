@@ -5,11 +5,13 @@ committed rows are slot positions [0, committed); a tree's rows are written righ
 scratch, so dropping a tree is a length reset and a commit moves only the accepted rows into place.
 """
 
+import heapq
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 TREE_HEADROOM = 256  # slot positions past a request's own tokens, for the scratch rows of one round's tree
@@ -44,7 +46,7 @@ class KVPool:
         self.slot_len = slot_len
         self.kv = torch.zeros(layers, 2, slots, kv_heads, slot_len, head_dim, dtype=dtype, device=device)
         self.row_bytes = 2 * layers * kv_heads * head_dim * self.kv.element_size()  # one position of one session
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots))  # a heap: the lowest free slot goes first, so a batch's slots tend to be consecutive
         self._cond = threading.Condition(threading.RLock())  # re-entrant: a session's finalizer may release
 
     @property
@@ -76,13 +78,13 @@ class KVPool:
                 raise KVCapacityError(
                     "slots", f"all {self.slots} slots of the {self.name} pool are in use; retry when a request finishes"
                 )
-            return self._free.pop()
+            return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
         with self._cond:
             if slot in self._free or not 0 <= slot < self.slots:
                 raise ValueError(f"slot {slot} is not held")
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
             self._cond.notify()
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -97,43 +99,61 @@ class KVPool:
 
 # No `from __future__ import annotations` in this file: TorchScript reads `Writes`' field types at run time.
 class Writes(NamedTuple):
-    """Where a batch's new rows go in one layer of the pool and what its attention reads, for `write_and_read`.
+    """Where a batch's new rows go in one layer of the pool and what its attention reads, for `write_rows` and
+    `attend`.
 
-    One slot: rows [start, start + length) of `slot`, reading positions [0, key_len). Several slots: the real rows
-    (`src_b`, `src_n`) of the padded [B, N] batch go to (`dst_slot`, `dst_pos`); reads are slots
-    [first, first + count) when those are consecutive, else the slots in `read`.
+    One slot: rows [start, start + length) of `slot`. Several slots: the real rows (`src_b`, `src_n`) of the padded
+    [B, N] batch go to (`dst_slot`, `dst_pos`). Either way the batch's entries read positions [0, key_len) of their
+    slots, taken as `runs` (first slot, count) of consecutive slots in batch order: each run is a view of the pool,
+    so attention reads the KV in place and never gathers a copy of it.
     """
 
     slot: int
     start: int
     length: int
     key_len: int
-    first: int
-    count: int
+    runs: List[Tuple[int, int]]
     src_b: Optional[torch.Tensor]  # [R] long
     src_n: Optional[torch.Tensor]  # [R] long
     dst_slot: Optional[torch.Tensor]  # [R] long
     dst_pos: Optional[torch.Tensor]  # [R] long
-    read: Optional[torch.Tensor]  # [B] long
 
 
-def write_and_read(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """kv [2, S, kv_heads, T, hd] (one layer); the new rows' k, v [B, kv_heads, N, hd] (pads skipped) are written
-    -> keys, values [B, kv_heads, key_len, hd]. Plain torch, which TorchScript compiles inside the decoder's scripted
-    blocks (runtime/model.py)."""
+def slot_runs(slots: List[int]) -> List[Tuple[int, int]]:
+    """Batch-ordered slots as runs (first slot, count) of consecutive slots: [3, 4, 5, 9, 2] -> [(3, 3), (9, 1), (2, 1)]."""
+    runs: List[Tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
+
+
+def write_rows(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tensor) -> None:
+    """kv [2, S, kv_heads, T, hd] (one layer) <- the new rows' k, v [B, kv_heads, N, hd] (pads skipped). Plain torch,
+    which TorchScript compiles inside the decoder's scripted blocks (runtime/model.py), as it does `attend`."""
     src_b, src_n, dst_slot, dst_pos = writes.src_b, writes.src_n, writes.dst_slot, writes.dst_pos
     if src_b is None or src_n is None or dst_slot is None or dst_pos is None:
         slot, start, n = writes.slot, writes.start, writes.length
         kv[0, slot, :, start : start + n] = k[0, :, :n]
         kv[1, slot, :, start : start + n] = v[0, :, :n]
-        return kv[0, slot : slot + 1, :, : writes.key_len], kv[1, slot : slot + 1, :, : writes.key_len]
+        return
     new = torch.stack([k, v]).permute(1, 3, 0, 2, 4)  # [B, N, 2, kv_heads, hd]
     kv.transpose(0, 1)[dst_slot, :, :, dst_pos] = new[src_b, src_n].to(kv.dtype)  # [R, 2, kv_heads, hd]
-    read, key_len = writes.read, writes.key_len
-    if read is None:
-        slots = kv[:, writes.first : writes.first + writes.count, :, :key_len]  # [2, B, kv_heads, key_len, hd]
-        return slots[0], slots[1]
-    return kv[0, read, :, :key_len], kv[1, read, :, :key_len]
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """q [B, H, N, hd] over kv [2, S, kv_heads, T, hd] (one layer, rows written), bias [B, 1, N, key_len] ->
+    [B, H, N, hd]: one attention per run of consecutive slots, over a view of the pool."""
+    key_len = writes.key_len
+    outs: List[torch.Tensor] = []
+    b = 0
+    for first, count in writes.runs:
+        keys, values = kv[0, first : first + count, :, :key_len], kv[1, first : first + count, :, :key_len]  # [n, kv_heads, K, hd]
+        outs.append(F.scaled_dot_product_attention(q[b : b + count], keys, values, attn_mask=bias[b : b + count], enable_gqa=gqa))
+        b += count
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @dataclass
@@ -150,17 +170,15 @@ class SlotBatch:
         self.key_len = max(s + n for s, n in zip(self.starts, self.lengths))
         self.pool.check_fits(self.key_len)
         device = self.pool.device
-        first, count = self.slots[0], len(self.slots)
-        if count == 1:
-            self.writes = Writes(first, self.starts[0], self.lengths[0], self.key_len, first, 1, None, None, None, None, None)
+        runs = slot_runs(self.slots)
+        if len(self.slots) == 1:
+            self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, runs, None, None, None, None)
             return
         src_b = torch.cat([torch.full((n,), b) for b, n in enumerate(self.lengths)]).to(device)
         src_n = torch.cat([torch.arange(n) for n in self.lengths]).to(device)
         dst_slot = torch.tensor(self.slots).repeat_interleave(torch.tensor(self.lengths)).to(device)
         dst_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).to(device)
-        contiguous = self.slots == list(range(first, first + count))
-        read = None if contiguous else torch.tensor(self.slots, device=device)
-        self.writes = Writes(0, 0, 0, self.key_len, first, count, src_b, src_n, dst_slot, dst_pos, read)
+        self.writes = Writes(0, 0, 0, self.key_len, runs, src_b, src_n, dst_slot, dst_pos)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -168,11 +186,16 @@ class SlotBatch:
         return self.pool.kv.dtype
 
     def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new rows' k, v [B, kv_heads, N, hd] (pads skipped) -> keys, values [B, kv_heads, key_len, hd]."""
-        return write_and_read(self.pool.kv[layer], self.writes, k, v)
+        """Write the new rows' k, v [B, kv_heads, N, hd] (pads skipped) -> keys, values [B, kv_heads, key_len, hd]
+        (for attention outside the scripted blocks, which `attend` in place instead)."""
+        kv = self.pool.kv[layer]
+        write_rows(kv, self.writes, k, v)
+        reads = [kv[:, first : first + count, :, : self.key_len] for first, count in self.writes.runs]  # [2, n, kv_heads, K, hd]
+        keys, values = reads[0] if len(reads) == 1 else torch.cat(reads, dim=1)
+        return keys, values
 
     def scripted(self) -> tuple[torch.Tensor | None, Writes | None]:
-        """The pool and writes a scripted block passes to `write_and_read`."""
+        """The pool and writes a scripted block passes to `write_rows` and `attend`."""
         return self.pool.kv, self.writes
 
 

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..drafters.layers import rotate, rotary_tables
-from .kv import TREE_HEADROOM, Writes, write_and_read
+from .kv import TREE_HEADROOM, Writes, attend, write_rows
 from .linear import Linear, linear
 from .script import script
 from .shard import Shard, check_shardable, dims, shard_selection
@@ -33,7 +33,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activatio
 # A layer is two TorchScript blocks (attention, MLP), or one call for both where nothing runs between them: a forward
 # comes back to the Python interpreter once or twice per layer, not once per operator (about 30 a layer;
 # docs/runtime.md, "Fewer trips through Python"). The blocks run the same operators as eager code, so their results
-# are bitwise those of eager code. The helpers they call (`rms_norm`, `activate`, `rotate`, `write_and_read`,
+# are bitwise those of eager code. The helpers they call (`rms_norm`, `activate`, `rotate`, `write_rows`, `attend`,
 # `row_bucket`) stay plain Python for Python callers, and TorchScript compiles them into the blocks. No
 # `from __future__ import annotations` here: TorchScript reads the NamedTuples' field types at run time.
 
@@ -121,13 +121,15 @@ def attention_block(x: torch.Tensor, w: AttentionWeights, heads: int, kv_heads: 
     q, k = rotate(qk, at.cos, at.sin).transpose(1, 2).split([heads, kv_heads], dim=1)  # [B, H, N, hd], [B, KVH, N, hd]
     v = v.transpose(1, 2)  # [B, KVH, N, hd]
     kv, writes = at.kv, at.writes
+    gqa = kv_heads != heads
     if kv is None or writes is None:
-        keys, values = k, v
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=at.bias, enable_gqa=gqa)  # [B, H, N, hd]
     else:
-        keys, values = write_and_read(kv[index], writes, k, v)  # [B, KVH, K, hd]
-    if q.dtype != keys.dtype:
-        q = q.to(keys.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.bias, enable_gqa=kv_heads != heads)  # [B, H, N, hd]
+        layer_kv = kv[index]
+        write_rows(layer_kv, writes, k, v)
+        if q.dtype != layer_kv.dtype:
+            q = q.to(layer_kv.dtype)  # the pool's attention dtype (float32 on CPU, see attention_dtype)
+        out = attend(q, layer_kv, writes, at.bias, gqa)  # [B, H, N, hd]
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return linear(out.transpose(1, 2).reshape(b, n, heads * hd), w.o_weight, w.o_bias, w.o_packed)
