@@ -161,8 +161,8 @@ def test_a_batch_over_scattered_slots_gives_each_call_what_it_gets_alone(world):
     finally:
         for slot in slots:
             model.pool.release(slot)
-    assert slot_runs([6, 2, 3, 0, 4]) == [(6, 1), (2, 2), (0, 1), (4, 1)]
-    assert slot_runs([0, 2, 3, 4, 6]) == [(0, 1), (2, 3), (6, 1)]
+    assert slot_runs([6, 2, 3, 0, 4], [9, 4, 13, 6, 1]) == [(6, 1, 9), (2, 2, 13), (0, 1, 6), (4, 1, 1)]
+    assert slot_runs([0, 2, 3, 4, 6], [5, 8, 3, 2, 7]) == [(0, 1, 5), (2, 3, 8), (6, 1, 7)]
 
 
 def test_a_failing_forward_fails_only_its_own_operations(world):

@@ -103,30 +103,33 @@ class Writes(NamedTuple):
     `attend`.
 
     One slot: rows [start, start + length) of `slot`. Several slots: the real rows (`src_b`, `src_n`) of the padded
-    [B, N] batch go to (`dst_slot`, `dst_pos`). Either way the batch's entries read positions [0, key_len) of their
-    slots, taken as `runs` (first slot, count) of consecutive slots in batch order: each run is a view of the pool,
-    so attention reads the KV in place and never gathers a copy of it.
+    [B, N] batch go to (`dst_slot`, `dst_pos`). Either way the batch's entries are read as `runs` (first slot, count,
+    keys) of consecutive slots in batch order, each run positions [0, keys) of its slots (its longest entry's end,
+    at most `key_len`, the batch's): a run is a view of the pool, so attention reads the KV in place and never
+    gathers a copy of it.
     """
 
     slot: int
     start: int
     length: int
     key_len: int
-    runs: List[Tuple[int, int]]
+    runs: List[Tuple[int, int, int]]
     src_b: Optional[torch.Tensor]  # [R] long
     src_n: Optional[torch.Tensor]  # [R] long
     dst_slot: Optional[torch.Tensor]  # [R] long
     dst_pos: Optional[torch.Tensor]  # [R] long
 
 
-def slot_runs(slots: List[int]) -> List[Tuple[int, int]]:
-    """Batch-ordered slots as runs (first slot, count) of consecutive slots: [3, 4, 5, 9, 2] -> [(3, 3), (9, 1), (2, 1)]."""
-    runs: List[Tuple[int, int]] = []
-    for slot in slots:
+def slot_runs(slots: List[int], ends: List[int]) -> List[Tuple[int, int, int]]:
+    """Batch-ordered slots, each read up to its end, as runs (first slot, count, keys) of consecutive slots read up to
+    their longest end: slots [3, 4, 9], ends [7, 5, 2] -> [(3, 2, 7), (9, 1, 2)]."""
+    runs: List[Tuple[int, int, int]] = []
+    for slot, end in zip(slots, ends):
         if runs and runs[-1][0] + runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            first, count, keys = runs[-1]
+            runs[-1] = (first, count + 1, max(keys, end))
         else:
-            runs.append((slot, 1))
+            runs.append((slot, 1, end))
     return runs
 
 
@@ -145,13 +148,13 @@ def write_rows(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tenso
 
 def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor, gqa: bool) -> torch.Tensor:
     """q [B, H, N, hd] over kv [2, S, kv_heads, T, hd] (one layer, rows written), bias [B, 1, N, key_len] ->
-    [B, H, N, hd]: one attention per run of consecutive slots, over a view of the pool."""
-    key_len = writes.key_len
+    [B, H, N, hd]: one attention per run of consecutive slots, over a view of the pool up to the run's keys (the
+    bias hides the rest)."""
     outs: List[torch.Tensor] = []
     b = 0
-    for first, count in writes.runs:
-        keys, values = kv[0, first : first + count, :, :key_len], kv[1, first : first + count, :, :key_len]  # [n, kv_heads, K, hd]
-        outs.append(F.scaled_dot_product_attention(q[b : b + count], keys, values, attn_mask=bias[b : b + count], enable_gqa=gqa))
+    for first, count, end in writes.runs:
+        keys, values = kv[0, first : first + count, :, :end], kv[1, first : first + count, :, :end]  # [n, kv_heads, K', hd]
+        outs.append(F.scaled_dot_product_attention(q[b : b + count], keys, values, attn_mask=bias[b : b + count, :, :, :end], enable_gqa=gqa))
         b += count
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -167,10 +170,11 @@ class SlotBatch:
     lengths: list[int]
 
     def __post_init__(self) -> None:
-        self.key_len = max(s + n for s, n in zip(self.starts, self.lengths))
+        ends = [s + n for s, n in zip(self.starts, self.lengths)]
+        self.key_len = max(ends)
         self.pool.check_fits(self.key_len)
         device = self.pool.device
-        runs = slot_runs(self.slots)
+        runs = slot_runs(self.slots, ends)
         if len(self.slots) == 1:
             self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, runs, None, None, None, None)
             return
@@ -190,7 +194,7 @@ class SlotBatch:
         (for attention outside the scripted blocks, which `attend` in place instead)."""
         kv = self.pool.kv[layer]
         write_rows(kv, self.writes, k, v)
-        reads = [kv[:, first : first + count, :, : self.key_len] for first, count in self.writes.runs]  # [2, n, kv_heads, K, hd]
+        reads = [kv[:, first : first + count, :, : self.key_len] for first, count, _ in self.writes.runs]  # [2, n, kv_heads, K, hd]
         keys, values = reads[0] if len(reads) == 1 else torch.cat(reads, dim=1)
         return keys, values
 
