@@ -385,6 +385,8 @@ class TreeTuner:
         on drift or after a while."""
         self._measure_lockstep(record, concurrent)
         if self.exploring:
+            if record.policy not in EXPLORATIONS:
+                return  # drafted before exploring began (requests stepping together have rounds in flight)
             self._explored(record, concurrent)
             self.exploring -= 1
             if not self.exploring:

@@ -180,6 +180,22 @@ def test_bookkeeping_is_fitted_over_rows_through_medians():
     assert fit_line([(9, 0.004), (65, 0.001)]) == (pytest.approx(0.0025), 0.0)  # never a negative slope
 
 
+def test_a_round_drafted_before_exploring_began_is_left_out_of_it(engine):
+    """Requests stepping together have rounds in flight when one of them starts an exploration (on drift): a round
+    drafted with the chosen tree that finishes after that neither counts as an exploring round nor fails."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=0)
+    rounds = []
+    generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
+    chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
+    kept = {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS}
+    tuner.exploring = tuner.explore_rounds  # what drift does
+    tuner.observe(chosen, 8)
+    assert tuner.exploring == tuner.explore_rounds
+    assert {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS} == kept
+    tuner.observe(rounds[0], 8)  # an exploring round counts
+    assert tuner.exploring == tuner.explore_rounds - 1
+
+
 def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engine):
     """Rounds of 8 requests whose drafting levels cost far more than the drafter's forwards (their lockstep):
     after LOCKSTEP_ROUNDS of them the tuner charges each level that extra at 8 and drafts shallower there;
