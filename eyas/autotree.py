@@ -18,7 +18,9 @@ explores again.
 A few first rounds are one prompt's opening, a poor sample of the acceptance to come: after them, one round
 in `explore_every` explores again (the three trees in turn), each policy's score is kept over the last rounds
 explored, and every concurrency chooses again on them. Requests stepping together explore that often per
-request, not per round, since an exploring round widens the forward its batch-mates share.
+request, not per round, since an exploring round widens the forward its batch-mates share. For the same reason
+an exploration's rounds are counted as they are handed out, not as they finish: requests stepping together
+ask for their next tree before the others' rounds are in, and would otherwise all explore at once.
 
 The costs measured at start are warm and alone; inside rounds the same forwards cost more (the other
 model's weights have left the cache, batch-mates' rows share the forward). Every batched forward the
@@ -348,7 +350,7 @@ class TreeTuner:
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))
     levels: dict[int, deque] = field(default_factory=dict)  # concurrency -> drafting seconds per level beyond the model
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
-    exploring: int = 0
+    exploring: int = 0  # exploring rounds still to hand out
     since_choice: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
     refreshes: int = 0  # exploring rounds run since the first exploration
@@ -366,7 +368,8 @@ class TreeTuner:
         """The next round's policy when `concurrent` requests step together: exploration rounds take EXPLORATIONS
         in turn, then the chosen one, with one exploring round in every `explore_every` per request."""
         if self.exploring:
-            return EXPLORATIONS[(self.explore_rounds - self.exploring) % len(EXPLORATIONS)]
+            self.exploring -= 1
+            return EXPLORATIONS[(self.explore_rounds - self.exploring - 1) % len(EXPLORATIONS)]
         if self.explore_every:
             self._credit += 1.0 / concurrent
             if self._credit >= self.explore_every:
@@ -381,22 +384,16 @@ class TreeTuner:
         return self.choices.get(concurrent) or Choice(EXPLORE, 0.0, 0.0)
 
     def observe(self, record: RoundRecord, concurrent: int = 1) -> None:
-        """Fold in one finished round (run beside `concurrent - 1` others); re-choose after exploring, explore again
-        on drift or after a while."""
+        """Fold in one finished round (run beside `concurrent - 1` others): an exploring round is kept and every
+        concurrency chooses again; a chosen round's acceptance is checked against its prediction, and on drift or
+        after a while the tuner explores again."""
         self._measure_lockstep(record, concurrent)
-        if self.exploring:
-            if record.policy not in EXPLORATIONS:
-                return  # drafted before exploring began (requests stepping together have rounds in flight)
-            self._explored(record, concurrent)
-            self.exploring -= 1
-            if not self.exploring:
-                self.choices.clear()
-                self.choose(concurrent)
-            return
-        if record.policy in EXPLORATIONS:  # one of the exploring rounds interleaved with the chosen ones
+        if record.policy in EXPLORATIONS:
             self._explored(record, concurrent)
             self.choices.clear()  # every concurrency chooses again, on the rounds explored so far
             return
+        if self.exploring:
+            return  # drafted before an exploration began (requests stepping together have rounds in flight)
         chosen = self.choices.get(concurrent)
         if chosen is None or chosen.policy != record.policy:
             return  # a round drafted before the latest choice predicts nothing about it
@@ -408,13 +405,16 @@ class TreeTuner:
                 self.realised.clear()
 
     def _explored(self, record: RoundRecord, concurrent: int) -> None:
-        """Keep an exploring round for replays and learn the bookkeeping cost from it."""
+        """Keep an exploring round for replays, and learn the bookkeeping cost from it when it ran alone: beside
+        batch-mates its phases also wait on theirs, which draft other trees (what a level costs requests stepping
+        together is learned from their chosen rounds, `_measure_lockstep`)."""
         if record.draft_tree is not None and record.row_probs is not None:
             accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
             self.calibration.add(record.draft_tree, accept)
             replay = Replay(record.draft_tree, accept, self.calibration.rates())
             self.rounds_of(record.policy).append(replay)
-        self._calibrate(record, concurrent)
+        if concurrent == 1:
+            self._calibrate(record)
 
     def drifted(self) -> bool:
         """Realised tokens per round differ from the prediction by more than `drift`, beyond three standard errors."""
@@ -426,18 +426,17 @@ class TreeTuner:
         gap = abs(mean - predicted)
         return gap > self.drift * predicted and gap > 3.0 * (variance + predicted_variance) ** 0.5
 
-    def _calibrate(self, record: RoundRecord, concurrent: int) -> None:
-        """Learn the time exploration rounds spend outside model forwards: tree bookkeeping per depth, the rest per
-        round and per verified row (fitted over the chain and wide exploration rounds, whose rows differ: a wide
-        tree's rest costs several times a chain's, so one per-round figure would overcharge small trees). Requests
-        stepping together take turns at it, so a round's share is its time over `concurrent`."""
+    def _calibrate(self, record: RoundRecord) -> None:
+        """Learn the time a lone exploration round spends outside model forwards: tree bookkeeping per depth, the
+        rest per round and per verified row (fitted over the chain and wide exploration rounds, whose rows differ: a
+        wide tree's rest costs several times a chain's, so one per-round figure would overcharge small trees).
+        Requests stepping together take turns at it (`Costs.round_seconds`)."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
-        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, concurrent)
-        model += policy.depth * self.costs.lockstep_per_level.get(concurrent, 0.0)
+        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1)
         tree = seconds.get("tree", 0.0)
-        rest = max(0.0, observed - model - concurrent * tree) / concurrent
+        rest = max(0.0, observed - model - tree)
         self.overheads.append((tree / policy.depth, policy.budget + 1, rest))
         self.costs.overhead_per_depth = sum(d for d, _, _ in self.overheads) / len(self.overheads)
         self.costs.overhead_per_round, self.costs.overhead_per_row = fit_line([(rows, r) for _, rows, r in self.overheads])
@@ -451,6 +450,8 @@ class TreeTuner:
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
+        if concurrent > 1 and policy in EXPLORATIONS:
+            return  # its batch-mates drafted other trees: what its levels took says nothing about theirs
         model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent)
         samples = self.levels.setdefault(concurrent, deque(maxlen=64))
         samples.append(max(0.0, record.seconds["draft"] - model) / policy.depth)

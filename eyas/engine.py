@@ -284,7 +284,7 @@ class Engine:
         together (tree auto chooses per concurrency)."""
         setting = tree_setting(tree) if tree is not None else self.tree
         auto = speculate and setting == "auto"
-        policy = PLAIN_POLICY if not speculate else self._policy() if auto else setting
+        policy = PLAIN_POLICY if not speculate else self.tuner.current if auto else setting  # what the trace's header names
         recorder = None
         if writer is not None:
             recorder = RequestRecorder(writer.write, request, policy, self.manifest.id, self.manifest.to_dict(), "local")
@@ -323,7 +323,7 @@ class Engine:
             with self._tuner_lock:
                 self._tuner.costs.observe(kind, rows, seconds)
 
-    def _policy(self, concurrent: int = 1) -> TreePolicy:
+    def _policy(self, concurrent: int) -> TreePolicy:
         tuner = self.tuner
         with self._tuner_lock:
             return tuner.policy(concurrent)

@@ -180,20 +180,24 @@ def test_bookkeeping_is_fitted_over_rows_through_medians():
     assert fit_line([(9, 0.004), (65, 0.001)]) == (pytest.approx(0.0025), 0.0)  # never a negative slope
 
 
-def test_a_round_drafted_before_exploring_began_is_left_out_of_it(engine):
-    """Requests stepping together have rounds in flight when one of them starts an exploration (on drift): a round
-    drafted with the chosen tree that finishes after that neither counts as an exploring round nor fails."""
+def test_requests_stepping_together_explore_only_as_many_rounds_as_one(engine):
+    """An exploration hands out `explore_rounds` exploring trees however many requests step together (they ask for
+    their next tree before the others' rounds are in), the rest draft the chosen tree; a round drafted with the
+    chosen tree that finishes after an exploration began is left out of it, and does not fail."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=0)
     rounds = []
     generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
     chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
     kept = {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS}
     tuner.exploring = tuner.explore_rounds  # what drift does
-    tuner.observe(chosen, 8)
-    assert tuner.exploring == tuner.explore_rounds
+    policies = [tuner.policy(8) for _ in range(8)]
+    assert policies[:3] == list(EXPLORATIONS)
+    assert all(p not in EXPLORATIONS for p in policies[3:]) and tuner.exploring == 0
+    tuner.exploring = 1
+    tuner.observe(chosen, 8)  # drafted before the exploration began
     assert {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS} == kept
-    tuner.observe(rounds[0], 8)  # an exploring round counts
-    assert tuner.exploring == tuner.explore_rounds - 1
+    tuner.observe(rounds[0], 8)  # an exploring round is kept
+    assert len(tuner.rounds_of(rounds[0].policy)) == kept[rounds[0].policy] + 1
 
 
 def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engine):
