@@ -361,15 +361,18 @@ class TreeTuner:
 
     @property
     def current(self) -> TreePolicy:
-        """The policy of a request running alone (EXPLORE until something was explored)."""
-        return self.choices[1].policy if 1 in self.choices else EXPLORE
+        """The policy of a request running alone (EXPLORE until something was explored). One lookup, so a reader
+        outside the engine's tuner lock never meets a choice cleared between a check and a read."""
+        alone = self.choices.get(1)
+        return alone.policy if alone is not None else EXPLORE
 
     def policy(self, concurrent: int = 1) -> TreePolicy:
         """The next round's policy when `concurrent` requests step together: exploration rounds take EXPLORATIONS
         in turn, then the chosen one, with one exploring round in every `explore_every` per request."""
         if self.exploring:
+            turn = self.explore_rounds - self.exploring
             self.exploring -= 1
-            return EXPLORATIONS[(self.explore_rounds - self.exploring - 1) % len(EXPLORATIONS)]
+            return EXPLORATIONS[turn % len(EXPLORATIONS)]
         if self.explore_every:
             self._credit += 1.0 / concurrent
             if self._credit >= self.explore_every:
