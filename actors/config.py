@@ -15,6 +15,7 @@ import yaml
 from transformers import AutoConfig
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
+from eyas.autotree import EXPLORE
 from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
 from eyas.tree import TreePolicy
@@ -91,7 +92,7 @@ class ServiceConfig:
     dtype: str = "auto"
     feature_layers: tuple[int, ...] | None = None
     allow_manifest_mismatch: bool = False
-    tree: TreePolicy = TreePolicy()
+    tree: TreePolicy | str = "auto"  # "auto": the coordinator's tuner chooses each round's tree (eyas.autotree)
     draft_pool: PoolConfig = PoolConfig()
     target_pool: PoolConfig = PoolConfig()
     host: str = "127.0.0.1"
@@ -124,10 +125,16 @@ class ServiceConfig:
         network = _take(sections.get("network") or {}, "network.", {"host", "token"})
         service = _take(sections.get("service") or {}, "service.", {"max_active", "kv_slots", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
         ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
-        try:
-            tree = TreePolicy.from_dict(sections.get("tree"))
-        except ValueError as exc:
-            raise ConfigError(f"tree.{exc}") from None
+        tree = sections.get("tree")
+        if tree is None or isinstance(tree, str):
+            tree = tree or "auto"
+            if tree != "auto":
+                raise ConfigError(f'tree: "auto" or a mapping of width, depth and budget, got {tree!r}')
+        else:
+            try:
+                tree = TreePolicy.from_dict(tree)
+            except ValueError as exc:
+                raise ConfigError(f"tree.{exc}") from None
         layers = models.get("feature_layers")
         config = cls(
             target=_path(models.get("target")),
@@ -168,6 +175,11 @@ class ServiceConfig:
                 raise ConfigError(f"service.{key}: must be a positive number of seconds")
 
     @property
+    def tree_limit(self) -> TreePolicy:
+        """The largest tree a round may draft, knob by knob: the fixed policy, or under auto the widest one it explores."""
+        return EXPLORE if self.tree == "auto" else self.tree
+
+    @property
     def shared_token(self) -> str | None:
         """The configured token, else EYAS_TOKEN from the environment."""
         return self.token or os.environ.get("EYAS_TOKEN") or None
@@ -186,7 +198,7 @@ class ServiceConfig:
         return WorkerSpec(
             target=target,
             drafter=drafter,
-            tree_limit=self.tree,
+            tree_limit=self.tree_limit,
             dtype=self.dtype,
             feature_layers=self.feature_layers,
             allow_manifest_mismatch=self.allow_manifest_mismatch,

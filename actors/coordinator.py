@@ -29,6 +29,7 @@ import grpc
 import ray
 from transformers import AutoTokenizer
 
+from eyas.autotree import Costs, TreeTuner
 from eyas.errors import RequestError
 from eyas.manifest import Manifest
 from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
@@ -93,6 +94,8 @@ class Coordinator:
         self.feature_width = 0
         self.max_positions = 0
         self.eos: frozenset[int] = frozenset()
+        self.tuner: TreeTuner | None = None  # `tree: auto`: chooses every auto request's tree, on the workers' costs
+        self._tuner_lock = threading.Lock()
         self.totals = {"completed": 0, "failed": 0, "cancelled": 0, "tokens": 0, "rounds": 0, "rebuilds": 0}
         self.stopping = False  # set by `stop`: requests still running then fail as UNAVAILABLE, not "cancelled"
         self._worker_key = secrets.token_urlsafe(32)  # the credential every worker call carries; never leaves Ray
@@ -192,6 +195,17 @@ class Coordinator:
         info = self.pools["target"].members()[0].info
         self.vocab_size, self.feature_width, self.max_positions = info.vocab_size, info.feature_width, info.max_positions
         self.eos = frozenset(info.eos_token_ids)
+        if self.config.tree == "auto":
+            self.tuner = TreeTuner(self._measure_costs())
+
+    def _measure_costs(self) -> Costs:
+        """`tree: auto`'s prices: a target worker's verification time by rows and a draft worker's step time by rows,
+        each measured on its own device (the pools' workers are alike). What a round spends beyond them (the RPCs
+        among it) the tuner learns from the rounds themselves."""
+        log.info("tree auto: measuring forward costs on a draft and a target worker")
+        target = self.pools["target"].members()[0].client.costs()
+        draft = self.pools["draft"].members()[0].client.costs()
+        return Costs(*target, *draft)
 
     # -- admission --------------------------------------------------------------------------------
     def admit(
@@ -223,7 +237,7 @@ class Coordinator:
                 f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the target's "
                 f"{self.max_positions} positions",
             )
-        policy = self.config.tree if tree is None else self._check_tree(tree)
+        policy = self._check_tree(tree) if tree is not None else None if self.config.tree == "auto" else self.config.tree
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         state = RequestState(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling_params, rules, decode=decode)
         job = Job(state, policy, emit)
@@ -233,9 +247,18 @@ class Coordinator:
             self.jobs[state.request_id] = job
         if trace or self.trace is not None:
             job.trace_out = [] if trace else None
-            job.recorder = RequestRecorder(self._trace_sink(job), state, policy, self.manifest_id, self.manifest, "service")
+            header = policy if policy is not None else self.tuner.current  # an auto request's rounds each name their own
+            job.recorder = RequestRecorder(self._trace_sink(job), state, header, self.manifest_id, self.manifest, "service")
         self._executor.submit(self._serve, job)
         return job
+
+    def _tree_status(self) -> dict:
+        """The fixed policy's knobs, or under auto the policy chosen so far at each concurrency."""
+        if self.tuner is None:
+            return {"tree": dataclasses.asdict(self.config.tree), "tree_auto": False}
+        with self._tuner_lock:
+            chosen = {str(n): dataclasses.asdict(choice.policy) for n, choice in sorted(self.tuner.choices.items())}
+        return {"tree_auto": True, "tree_chosen": chosen}
 
     def _trace_sink(self, job: Job) -> Callable[[bytes], None]:
         """Trace frames go to the service's trace file and, when the client asked, to its next chunk."""
@@ -250,7 +273,7 @@ class Coordinator:
 
     def _check_tree(self, tree: TreePolicy) -> TreePolicy:
         for knob in ("width", "depth", "budget"):
-            limit = getattr(self.config.tree, knob)
+            limit = getattr(self.config.tree_limit, knob)
             if getattr(tree, knob) > limit:
                 raise TreeError(f"tree.{knob}", f"{getattr(tree, knob)} exceeds the service's {limit}")
         return tree
@@ -288,11 +311,15 @@ class Coordinator:
                     continue
                 t0 = time.perf_counter()
                 job.timing.reset()
+                concurrent = self._stepping_together()
                 try:
-                    record = run_round(job.state, job.draft_session, job.target_session, job.policy)
+                    record = run_round(job.state, job.draft_session, job.target_session, job.policy or self._auto_policy(concurrent))
                 except (WorkerLost, SessionLost) as lost:
                     self._rebuild(job, lost)
                     continue
+                if job.policy is None:
+                    with self._tuner_lock:
+                        self.tuner.observe(record, concurrent)
                 job.stats.add_round(record)
                 self.metrics.observe_round(record, job.timing.as_dict(), self.running)
                 if job.recorder is not None:
@@ -307,6 +334,15 @@ class Coordinator:
             self.metrics.active.set(self.running)
         self._close(job)
         self._conclude(job, error)
+
+    def _stepping_together(self) -> int:
+        """Requests whose rounds share a target worker's forwards, on average: what `tree: auto` chooses for."""
+        workers = max(1, len(self.pools["target"].members()))
+        return max(1, -(-self.running // workers))
+
+    def _auto_policy(self, concurrent: int) -> TreePolicy:
+        with self._tuner_lock:
+            return self.tuner.policy(concurrent)
 
     def _place(self, job: Job, lost: Exception | None = None) -> None:
         """(Re)build the request's draft and target caches from its committed tokens on ready workers."""
@@ -461,7 +497,7 @@ class Coordinator:
                 "queued": len(self.jobs) - active,
                 **self.totals,
                 "mean_accept_length": self.totals["tokens"] / self.totals["rounds"] if self.totals["rounds"] else 0.0,
-                "tree": {"width": self.config.tree.width, "depth": self.config.tree.depth, "budget": self.config.tree.budget},
+                **self._tree_status(),
                 "uptime_seconds": time.monotonic() - self.started_at,
                 "service_seconds": dict(self.service_seconds),
                 "metrics_address": self.metrics_address,

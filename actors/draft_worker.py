@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from eyas import wire
+from eyas.autotree import measure_draft
 from eyas.drafters import load_drafter
 from eyas.errors import VersionError
 from eyas.manifest import fingerprint_target
@@ -80,6 +81,9 @@ class DraftWorker(Worker):
     def endpoints(self) -> dict:
         return {"Start": (pb.DraftStart, self.start_session), "Draft": (pb.DraftRequest, self.draft), "Reseed": (pb.Reseed, self.reseed)}
 
+    def measure(self) -> tuple[list[int], list[float]]:
+        return measure_draft(self.model)
+
     def session_kv_bytes(self, session: DraftSession) -> int:
         pending = session.pending_state
         return session.kv_bytes() + (pending.numel() * pending.element_size() if pending is not None else 0)
@@ -133,7 +137,7 @@ class DraftWorker(Worker):
             session.reseed(*reseed)
         proposal = yield from session.propose_steps(msg.ref.version, root, policy)
         clock.lap("compute")
-        reply = wire.proposal_to_proto(proposal, msg.ref)
+        reply = wire.proposal_to_proto(proposal, msg.ref, msg.with_records)
         clock.lap("encode")
         return reply
 

@@ -40,7 +40,7 @@ class Job:
     """One request in flight: its committed state, where it is routed, and what it has cost."""
 
     state: RequestState
-    policy: TreePolicy
+    policy: TreePolicy | None  # None: `tree: auto` chooses each round's
     emit: Callable[[Chunk | Exception], None]
     draft: Member | None = None
     target: Member | None = None

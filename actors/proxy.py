@@ -21,6 +21,7 @@ import torch
 from google.protobuf.message import Message
 
 from eyas import wire
+from eyas.autotree import EXPLORATIONS
 from eyas.rounds import Proposal, Verification
 from eyas.treerows import check_fit
 from eyas.rpc import call_metadata, field_of
@@ -204,6 +205,13 @@ class WorkerClient:
             self._leave()
         return pb.WorkerHealth.FromString(raw)
 
+    def costs(self) -> tuple[list[int], list[float]]:
+        """The worker's forward seconds by rows (`eyas.autotree.measure_verify` / `measure_draft` on its device)."""
+        curve = self.call("Costs", pb.CostsRequest, pb.CostCurve, lambda reply: reply, CallTiming())
+        if not curve.rows or len(curve.rows) != len(curve.seconds) or list(curve.rows) != sorted(set(curve.rows)):
+            raise wire.WireError("costs", f"{len(curve.rows)} row counts (increasing) for {len(curve.seconds)} times")
+        return list(curve.rows), list(curve.seconds)
+
     def release(self, ref: tpb.RequestRef) -> None:
         """Drop a request's session; a session or worker already gone is fine."""
         try:
@@ -270,7 +278,9 @@ class RemoteDraft(RemoteSession):
 
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
         def build():
-            msg = pb.DraftRequest(ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy))
+            msg = pb.DraftRequest(
+                ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
+            )
             if self._reseed is not None:
                 v, features, tokens = self._reseed
                 msg.reseed.CopyFrom(pb.Reseed(ref=self.ref(v), features=wire.tensor_to_proto(features), tokens=tokens))
@@ -353,7 +363,7 @@ class RemoteTarget(RemoteSession):
             if reply.round_id != round_id:
                 raise wire.WireError("round_id", "the reply names another round than the call")
             verification = wire.verification_from_proto(reply, self.feature_width)
-            wire.validate_decision(verification.decision, tree, self.vocab_size)
+            wire.validate_verification(verification, tree, self.vocab_size)
             return verification
 
         keep = self._keep if self.keep_wire else None

@@ -26,6 +26,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from eyas import wire
+from eyas.autotree import measure_verify
 from eyas.request import eos_token_ids
 from eyas.errors import VersionError
 from eyas.pairing import plan_drafter, target_num_layers
@@ -163,6 +164,9 @@ class TargetWorker(Worker):
 
     def endpoints(self) -> dict:
         return {"Prefill": (pb.Prefill, self.prefill), "Verify": (pb.VerifyRequest, self.verify), "Commit": (pb.Commit, self.commit)}
+
+    def measure(self) -> tuple[list[int], list[float]]:
+        return measure_verify(self.model)
 
     def session_kv_bytes(self, session: TargetSession) -> int:
         return session.kv_bytes()

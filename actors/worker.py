@@ -130,6 +130,17 @@ class Worker:
         """Role-specific fields of `WorkerInfo`."""
         return {}
 
+    def measure(self) -> tuple[list[int], list[float]]:
+        """Seconds of this worker's forward by rows, on its device (`eyas.autotree`)."""
+        raise NotImplementedError
+
+    def costs(self, msg: pb.CostsRequest, clock: Clock) -> pb.CostCurve:
+        """Measure this worker's forwards by rows on the compute thread: how `tree: auto` prices a tree here."""
+        clock.lap("decode")
+        rows, seconds = self.measure()
+        clock.lap("compute")
+        return pb.CostCurve(rows=rows, seconds=seconds)
+
     def forget(self, request_id: str) -> None:
         """Drop role-specific bookkeeping of a released session."""
 
@@ -158,6 +169,7 @@ class Worker:
             raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
         methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in self.endpoints().items()}
         methods["Release"] = self._unary(pb.Release, self.release)
+        methods["Costs"] = self._unary(pb.CostsRequest, self.costs)
         methods["Health"] = grpc.unary_unary_rpc_method_handler(self._health)
         full_name = pb.DESCRIPTOR.services_by_name[self.service].full_name
         handler = grpc.method_handlers_generic_handler(full_name, methods)

@@ -29,7 +29,7 @@ DEMO_ONLY = {"target": ("target",), "draft-lm": ("draft-lm",), "eagle1": ("eagle
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
-    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the three knobs, --local tunes the tree itself: tree auto)")
+    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the three knobs, --local tunes the tree itself and a service uses its config's tree, auto by default)")
     parser.add_argument("--top-k", type=int, dest="ambiguous_top_k", help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help="tree depth (default 5)")
     parser.add_argument("--budget", type=int, help="verify budget, candidate nodes besides the root (default 32)")
@@ -112,12 +112,15 @@ def generate_embedded(args: argparse.Namespace) -> int:
     """Start a service (embedded Ray, a free port) for one generation, then stop it."""
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import Service
+    from eyas.tree import TreePolicy
 
     quiet_loading()
     config = ServiceConfig.load(args.config)
     overrides = {"target": args.target, "drafter": args.drafter}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    config = replace(config, tree=replace(config.tree, **tree_args(args)))
+    knobs = tree_args(args)
+    if knobs:  # knobs on the command line fix the tree (over the config's policy, or the default one under auto)
+        config = replace(config, tree=replace(config.tree if isinstance(config.tree, TreePolicy) else TreePolicy(), **knobs))
     if args.allow_manifest_mismatch:
         config = replace(config, allow_manifest_mismatch=True)
     service = Service(config, port=0, on_progress=lambda line: print(f"eyas generate: {line}", file=sys.stderr)).start()
@@ -344,6 +347,12 @@ def format_status(status: dict) -> str:
                     f"    rank {r['rank']}  {r['device']:<7} node {r['node_id'][:8]}  pid {r['pid']}  "
                     f"weights {r['weight_bytes'] / 2**20:.1f} MiB  kv pool {r['kv_pool_bytes'] / 2**20:.1f} MiB"
                 )
+    knobs = lambda t: f"{t['width']}/{t['depth']}/{t['budget']}"  # noqa: E731
+    if status.get("tree_auto"):
+        chosen = ", ".join(f"{n} at once: {knobs(t)}" for n, t in sorted((status.get("tree_chosen") or {}).items(), key=lambda i: int(i[0])))
+        lines.append(f"tree: auto (width/depth/budget chosen so far: {chosen or 'none yet'})")
+    elif status.get("tree"):
+        lines.append(f"tree: {knobs(status['tree'])} (width/depth/budget)")
     metrics = status.get("metrics") or {}
     calibration = []
     for key, nodes in sorted(metrics.items()):

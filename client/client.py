@@ -191,7 +191,8 @@ def message_to_dict(msg: Message) -> dict:
     for f in msg.DESCRIPTOR.fields:
         value = getattr(msg, f.name)
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            out[f.name] = dict(value)
+            messages = f.message_type.fields_by_name["value"].message_type is not None
+            out[f.name] = {k: message_to_dict(v) if messages else v for k, v in value.items()}
         elif f.is_repeated:
             out[f.name] = [message_to_dict(v) if f.message_type is not None else v for v in value]
         elif f.message_type is not None:

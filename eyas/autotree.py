@@ -154,43 +154,62 @@ class Costs:
         return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead + lockstep
 
 
+def _best_of(run, repeats: int) -> float:
+    """The fastest of `repeats` runs, in seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @torch.no_grad()
-def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192, repeats: int = 3) -> Costs:
-    """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix (one borrowed slot each)."""
-    prefix_len = max(1, min(prefix_len, target.pool.slot_len - VERIFY_ROWS[-1], draft.pool.slot_len - DRAFT_ROWS[-1]))
-    generator = torch.Generator().manual_seed(0)
+def measure_verify(target: TargetModel, prefix_len: int = 192, repeats: int = 3) -> tuple[list[int], list[float]]:
+    """Seconds of a target verification of each of VERIFY_ROWS rows on top of a `prefix_len` prefix (one borrowed
+    slot): the target's half of `Costs`, which a target worker measures on its own device."""
+    prefix_len = max(1, min(prefix_len, target.pool.slot_len - VERIFY_ROWS[-1]))
     longest = max(prefix_len, VERIFY_ROWS[-1])
-    tokens = torch.randint(0, target.vocab_size, (longest,), generator=generator)
-    prefix = tokens[:prefix_len]
+    tokens = torch.randint(0, target.vocab_size, (longest,), generator=torch.Generator().manual_seed(0))
     causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-
-    def best_of(run) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    target_slot = target.pool.acquire(prefix_len + VERIFY_ROWS[-1], wait=True)
-    draft_slot = draft.pool.acquire(prefix_len + DRAFT_ROWS[-1], wait=True)
+    slot = target.pool.acquire(prefix_len + VERIFY_ROWS[-1], wait=True)
     try:
-        target.run([target.call(target_slot, 0, prefix, torch.arange(prefix_len), causal[:prefix_len, :prefix_len], with_logits=False)])
-        verify = []
+        prefix = tokens[:prefix_len]
+        target.run([target.call(slot, 0, prefix, torch.arange(prefix_len), causal[:prefix_len, :prefix_len], with_logits=False)])
+        seconds = []
         for rows in VERIFY_ROWS:
-            call = target.call(target_slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), causal[:rows, :rows])
-            verify.append(best_of(lambda: target.run([call])))
-        state = torch.zeros(longest, draft.drafter.hidden_size, dtype=draft.drafter.dtype)
-        draft.run([RowsCall(draft_slot, 0, prefix, torch.arange(prefix_len), causal[:prefix_len, :prefix_len], state[:prefix_len])])
-        steps = []
+            call = target.call(slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), causal[:rows, :rows])
+            seconds.append(_best_of(lambda: target.run([call]), repeats))
+    finally:
+        target.pool.release(slot)
+    return list(VERIFY_ROWS), seconds
+
+
+@torch.no_grad()
+def measure_draft(draft: DraftModel, prefix_len: int = 192, repeats: int = 3) -> tuple[list[int], list[float]]:
+    """Seconds of a drafter step of each of DRAFT_ROWS rows (with their top-8 candidates) on top of a `prefix_len`
+    prefix: the drafter's half of `Costs`, which a draft worker measures on its own device."""
+    prefix_len = max(1, min(prefix_len, draft.pool.slot_len - DRAFT_ROWS[-1]))
+    longest = max(prefix_len, DRAFT_ROWS[-1])
+    tokens = torch.randint(0, draft.drafter.embed.num_embeddings, (longest,), generator=torch.Generator().manual_seed(0))
+    state = torch.zeros(longest, draft.drafter.hidden_size, dtype=draft.drafter.dtype)
+    slot = draft.pool.acquire(prefix_len + DRAFT_ROWS[-1], wait=True)
+    try:
+        causal = torch.ones(prefix_len, prefix_len, dtype=torch.bool).tril()
+        draft.run([RowsCall(slot, 0, tokens[:prefix_len], torch.arange(prefix_len), causal, state[:prefix_len])])
+        seconds = []
         for rows in DRAFT_ROWS:
             visible = torch.ones(rows, prefix_len + rows, dtype=torch.bool)
-            call = RowsCall(draft_slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows], 8)
-            steps.append(best_of(lambda: draft.run([call])))
+            call = RowsCall(slot, prefix_len, tokens[:rows], torch.arange(prefix_len, prefix_len + rows), visible, state[:rows], 8)
+            seconds.append(_best_of(lambda: draft.run([call]), repeats))
     finally:
-        target.pool.release(target_slot)
-        draft.pool.release(draft_slot)
-    return Costs(list(VERIFY_ROWS), verify, list(DRAFT_ROWS), steps)
+        draft.pool.release(slot)
+    return list(DRAFT_ROWS), seconds
+
+
+def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192, repeats: int = 3) -> Costs:
+    """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix (one borrowed slot each)."""
+    return Costs(*measure_verify(target, prefix_len, repeats), *measure_draft(draft, prefix_len, repeats))
 
 
 class Calibration:

@@ -73,6 +73,32 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @classmethod
+    def from_records(cls, tokens: list[int], parents: list[int], confidences: list[float]) -> "DraftTree":
+        """The tree its records describe (node 0 the root, every parent before its children), ids kept: what a
+        proposal's records rebuild on the coordinator for `tree: auto`. Records that form no such tree raise
+        `TreeError` naming the field."""
+        if not tokens or len(parents) != len(tokens) or len(confidences) != len(tokens):
+            raise TreeError("tokens", f"{len(tokens)} tokens for {len(parents)} parents and {len(confidences)} confidences")
+        if parents[0] != -1:
+            raise TreeError("parents", f"node 0 is the root, with parent -1, not {parents[0]}")
+        tree = cls(tokens[0])
+        for node in range(1, len(tokens)):
+            parent, token, q = int(parents[node]), int(tokens[node]), float(confidences[node])
+            if not 0 <= parent < node:
+                raise TreeError("parents", f"node {node} has parent {parent}, not an earlier node")
+            if token < 0:
+                raise TreeError("tokens", f"node {node} has the negative token id {token}")
+            if not (math.isfinite(q) and 0.0 <= q <= 1.0):
+                raise TreeError("confidences", f"node {node} has confidence {q!r}, not a probability")
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            tree.depths.append(tree.depths[parent] + 1)
+            tree.confidences.append(q)
+            tree.log_values.append(tree.log_values[parent] + math.log(max(q, LOG_FLOOR)))
+        tree.frontier = []
+        return tree
+
     def ranked(self, nodes: list[int]) -> list[int]:
         """`nodes` in global order: higher path value first, then shallower, then earlier id (docs/tree.md#ranking)."""
         values = self.log_values

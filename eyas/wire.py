@@ -14,9 +14,9 @@ import torch
 from .errors import WireError
 from .request import make_sampling
 from .rounds import Proposal, Verification
-from .treerows import AcceptanceDecision, array_from_proto, check_decision, decision_from_proto
+from .treerows import AcceptanceDecision, TreeError, array_from_proto, check_decision, decision_from_proto
 from .sampling import SamplingParams
-from .tree import FlattenedTree, TreePolicy
+from .tree import DraftTree, FlattenedTree, TreePolicy
 from .v1 import round_pb2 as pb
 from .v1 import tensor_pb2 as tpb
 
@@ -110,8 +110,9 @@ def features_from_proto(msg: tpb.Tensor, field: str, rows: int, width: int) -> t
     return features
 
 
-def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.Proposal:
-    """A proposal; a tree drafted ahead records the outcome it assumed in `tree.assumed`."""
+def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef, with_records: bool = False) -> pb.Proposal:
+    """A proposal; a tree drafted ahead records the outcome it assumed in `tree.assumed`; `with_records` adds every
+    node the expansion recorded (for `tree: auto`)."""
     msg = pb.Proposal(
         ref=request,
         tree=tree_to_proto(proposal.tree, request),
@@ -123,19 +124,56 @@ def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.Proposa
     if proposal.assumed is not None:
         accepted, bonus = proposal.assumed
         msg.tree.assumed.CopyFrom(pb.AssumedOutcome(accepted_tokens=accepted, frontier_token=bonus))
+    if with_records and proposal.draft_tree is not None and proposal.row_nodes is not None:
+        msg.records.CopyFrom(records_to_proto(proposal.draft_tree, proposal.row_nodes))
     return msg
+
+
+def records_to_proto(tree: DraftTree, row_nodes: list[int]) -> pb.DraftRecords:
+    """Every node an expansion recorded and the node of each flattened row."""
+    return pb.DraftRecords(
+        tokens=tensor_to_proto(torch.tensor(tree.tokens, dtype=torch.int64)),
+        parents=tensor_to_proto(torch.tensor(tree.parents, dtype=torch.int64)),
+        confidences=tensor_to_proto(torch.tensor(tree.confidences, dtype=torch.float64)),
+        row_nodes=tensor_to_proto(torch.tensor(row_nodes, dtype=torch.int64)),
+    )
+
+
+def records_from_proto(msg: pb.DraftRecords, tree: FlattenedTree) -> tuple[DraftTree, list[int]]:
+    """The recorded tree and each row's node, checked against the flattened `tree` they came with: row 0 is the
+    root, and every row names a distinct recorded node carrying its token."""
+    ints = ("int64",)
+    tokens = tensor_from_proto(msg.tokens, "records.tokens", ints, 1).tolist()
+    parents = tensor_from_proto(msg.parents, "records.parents", ints, 1).tolist()
+    confidences = tensor_from_proto(msg.confidences, "records.confidences", ("float64",), 1).tolist()
+    row_nodes = tensor_from_proto(msg.row_nodes, "records.row_nodes", ints, 1).tolist()
+    try:
+        recorded = DraftTree.from_records(tokens, parents, confidences)
+    except TreeError as exc:
+        raise WireError(f"records.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
+    rows = tree.tokens.tolist()
+    if len(row_nodes) != len(rows) or (row_nodes and row_nodes[0] != 0) or len(set(row_nodes)) != len(row_nodes):
+        raise WireError("records.row_nodes", f"{len(row_nodes)} nodes for {len(rows)} rows, root first, each once")
+    for row, node in enumerate(row_nodes):
+        if not 0 <= node < len(recorded) or recorded.tokens[node] != rows[row]:
+            raise WireError("records.row_nodes", f"row {row} (token {rows[row]}) names node {node}, which does not carry it")
+    return recorded, row_nodes
 
 
 def proposal_from_proto(msg: pb.Proposal) -> Proposal:
     assumed = None
     if msg.tree.HasField("assumed"):
         assumed = (tuple(msg.tree.assumed.accepted_tokens), int(msg.tree.assumed.frontier_token))
+    tree = tree_from_proto(msg.tree)
+    recorded, row_nodes = records_from_proto(msg.records, tree) if msg.HasField("records") else (None, None)
     return Proposal(
-        tree=tree_from_proto(msg.tree),
+        tree=tree,
         nodes_expanded=msg.nodes_expanded,
         nodes_recorded=msg.nodes_recorded,
         draft_kv_bytes=msg.draft_kv_bytes,
         tree_seconds=msg.tree_seconds,
+        draft_tree=recorded,
+        row_nodes=row_nodes,
         assumed=assumed,
     )
 
@@ -159,6 +197,7 @@ def verification_to_proto(verification: Verification, request: tpb.RequestRef) -
         decision=decision_to_proto(verification.decision, verification.features, request),
         experts=[pb.Expert(layer=layer, expert=expert) for layer, expert in sorted(verification.experts)],
         branch_kv_bytes=verification.branch_kv_bytes,
+        row_acceptance=None if verification.row_probs is None else tensor_to_proto(verification.row_probs),
     )
 
 
@@ -167,9 +206,21 @@ def verification_from_proto(msg: pb.Verification, feature_width: int) -> Verific
     decision = decision_from_proto(d)
     features = features_from_proto(d.accepted_features, "decision.accepted_features", len(d.accepted_rows), feature_width)
     experts = frozenset((e.layer, e.expert) for e in msg.experts)
-    return Verification(decision, features, experts, msg.branch_kv_bytes)
+    row_probs = None
+    if msg.HasField("row_acceptance"):
+        row_probs = tensor_from_proto(msg.row_acceptance, "row_acceptance", ("float64",), 1)
+        if not bool(((row_probs >= 0) & (row_probs <= 1)).all()):
+            raise WireError("row_acceptance", "every row's acceptance is a probability")
+    return Verification(decision, features, experts, msg.branch_kv_bytes, row_probs)
 
 
 def validate_decision(decision: AcceptanceDecision, tree: FlattenedTree, vocab_size: int) -> None:
     """Receipt check of a decision against the tree it decides (`eyas.treerows.check_decision`); raises `WireError`."""
     check_decision(decision, tree.rows(), vocab_size)
+
+
+def validate_verification(verification: Verification, tree: FlattenedTree, vocab_size: int) -> None:
+    """Receipt check of a verification: its decision, and a row acceptance (when sent) for every row of the tree."""
+    validate_decision(verification.decision, tree, vocab_size)
+    if verification.row_probs is not None and verification.row_probs.shape[0] != tree.num_rows:
+        raise WireError("row_acceptance", f"{verification.row_probs.shape[0]} values for a tree of {tree.num_rows} rows")

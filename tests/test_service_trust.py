@@ -17,6 +17,7 @@ import ray
 from tests.helpers.servicekit import TREE, build_models, engine_outputs, service_config, wait_until
 
 from eyas import Engine, wire
+from eyas.client.cli import format_status
 from eyas.client.client import Client, EyasError
 from eyas.cluster.service import Service
 from eyas.rpc import TOKEN_KEY, call_metadata, field_of
@@ -182,6 +183,38 @@ def test_cancelled_requests_are_counted_apart_from_completed(svc):
     assert [c.finish_reason for c in stream][-1] == "cancelled"
     after = wait_until(lambda: (s := client.status())["active"] == 0 and s, 30, "the cancelled request to end")
     assert (after["cancelled"], after["completed"]) == (before["cancelled"] + 1, before["completed"])
+
+
+def test_a_service_with_tree_auto_chooses_its_trees_and_keeps_the_output(svc):
+    """`tree: auto`: the coordinator prices trees with the forward costs each worker measures on its device, explores,
+    then chooses per concurrency; every round's tokens stay the target's greedy ones, and a request may still ask
+    for a fixed tree up to the widest one auto explores."""
+    target, drafter = svc["models"]
+    service = Service(service_config(target, drafter, tree="auto"), port=0).start()
+    try:
+        with Client(service.address) as client:
+            status = client.status()
+            assert status["tree_auto"] and not status["tree_chosen"]
+            outputs, errors = [None] * len(PROMPTS), []
+            threads = [threading.Thread(target=lambda i=i: outputs.__setitem__(i, client.generate(PROMPTS[i], max_new_tokens=LENGTH)))
+                       for i in range(len(PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert [o.token_ids for o in outputs] == svc["expected"]
+            status = client.status()
+            chosen = status["tree_chosen"]
+            assert chosen, "after its exploring rounds the tuner has chosen a tree"
+            assert "tree: auto (width/depth/budget chosen so far: " in format_status(status)
+            assert all(p["width"] <= 8 and p["depth"] <= 8 and p["budget"] <= 64 for p in chosen.values())
+            fixed = client.generate(PROMPTS[0], max_new_tokens=LENGTH, tree={"width": 2, "depth": 8, "budget": 16})
+            assert fixed.token_ids == svc["expected"][0]
+            with pytest.raises(EyasError) as err:
+                client.generate(PROMPTS[0], max_new_tokens=4, tree={"width": 9, "depth": 2, "budget": 4})
+            assert err.value.field == "tree.width"
+    finally:
+        service.stop()
 
 
 def test_a_service_on_ipv6_loopback_serves_correctly(svc):

@@ -13,9 +13,11 @@ from tests.helpers.servicekit import TREE, build_models
 
 from eyas import Engine, wire
 from eyas.actors.config import ConfigError, ServiceConfig
+from eyas.autotree import Replay
 from eyas.proposer import DraftSession
-from eyas.rounds import start
+from eyas.rounds import Verification, start
 from eyas.target import TargetSession
+from eyas.tree import TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 from eyas.verify import AcceptanceDecision
@@ -125,6 +127,58 @@ def test_a_decision_that_does_not_fit_its_tree_is_refused(round_parts):
         assert err.value.field == field
 
 
+def test_an_exploring_proposal_carries_its_records_and_a_verification_its_row_acceptance(round_parts):
+    """What `tree: auto` needs across the wire: every node the expansion recorded (ids, order and values kept, so a
+    replay of any smaller policy on them gives what it gives in process) and every row's acceptance."""
+    engine, request, proposal, verification = round_parts
+    ref = wire.ref("r1", 0, "m1")
+    assert not pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref).SerializeToString()).HasField("records")
+    back = wire.proposal_from_proto(pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref, with_records=True).SerializeToString()))
+    sent = proposal.draft_tree
+    for name in ("tokens", "parents", "depths", "confidences", "log_values"):
+        assert getattr(back.draft_tree, name) == getattr(sent, name), name
+    assert back.row_nodes == proposal.row_nodes
+    accept = dict(zip(proposal.row_nodes, verification.row_probs.tolist()))
+    for policy in (TreePolicy(1, 3, 3), TreePolicy(2, 2, 4), TreePolicy(4, 4, 12)):
+        assert Replay(back.draft_tree, accept).expected(policy) == Replay(sent, accept).expected(policy)
+    again = wire.verification_from_proto(
+        pb.Verification.FromString(wire.verification_to_proto(verification, ref).SerializeToString()), engine.target.feature_width
+    )
+    assert torch.equal(again.row_probs, verification.row_probs)
+    wire.validate_verification(again, proposal.tree, engine.target.vocab_size)
+
+
+def test_records_and_row_acceptance_that_do_not_fit_are_refused_by_name(round_parts):
+    engine, _, proposal, verification = round_parts
+    ref = wire.ref("r1", 0, "m1")
+    good = wire.proposal_to_proto(proposal, ref, with_records=True)
+    tree, nodes = proposal.draft_tree, proposal.row_nodes
+    cases = {
+        "records.parents": wire.records_to_proto(tree, nodes),
+        "records.confidences": wire.records_to_proto(tree, nodes),
+        "records.row_nodes": wire.records_to_proto(tree, [0, *reversed(nodes[1:])]),
+        "records.tokens": wire.records_to_proto(tree, nodes),
+    }
+    cases["records.parents"].parents.CopyFrom(wire.tensor_to_proto(torch.tensor([-1, *range(1, len(tree))])))  # node 1 its own parent
+    cases["records.confidences"].confidences.CopyFrom(wire.tensor_to_proto(torch.tensor([1.0] + [1.5] * (len(tree) - 1), dtype=torch.float64)))
+    cases["records.tokens"].tokens.CopyFrom(wire.tensor_to_proto(torch.tensor(tree.tokens[:-1])))
+    for field, records in cases.items():
+        msg = pb.Proposal.FromString(good.SerializeToString())
+        msg.records.CopyFrom(records)
+        with pytest.raises(wire.WireError) as err:
+            wire.proposal_from_proto(msg)
+        assert err.value.field == field
+    short = Verification(verification.decision, verification.features, verification.experts, 0, verification.row_probs[:-1])
+    with pytest.raises(wire.WireError) as err:
+        wire.validate_verification(short, proposal.tree, engine.target.vocab_size)
+    assert err.value.field == "row_acceptance"
+    outside = pb.Verification.FromString(wire.verification_to_proto(verification, ref).SerializeToString())
+    outside.row_acceptance.CopyFrom(wire.tensor_to_proto(verification.row_probs + 2.0))
+    with pytest.raises(wire.WireError) as err:
+        wire.verification_from_proto(outside, engine.target.feature_width)
+    assert err.value.field == "row_acceptance"
+
+
 def test_local_yaml_is_the_documented_default():
     assert ServiceConfig.load(ROOT / "configs" / "local.yaml") == ServiceConfig.load(None)
 
@@ -135,6 +189,7 @@ def test_local_yaml_is_the_documented_default():
         ({"pools": {"draft": {"replica": 2}}}, "pools.draft.replica"),
         ({"pools": {"target": {"replicas": 0}}}, "pools.target.replicas"),
         ({"tree": {"budget": -1}}, "tree.budget"),
+        ({"tree": "fast"}, "tree"),
         ({"netwrk": {}}, "netwrk"),
         ({"models": {"dtype": "int8"}}, "models.dtype"),
         ({"pools": {"draft": {"num_cpus": 0}}}, "pools.draft"),

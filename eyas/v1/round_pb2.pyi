@@ -82,34 +82,50 @@ class Reseed(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("ref", "root_token", "policy", "reseed", "assumed")
+    __slots__ = ("ref", "root_token", "policy", "reseed", "assumed", "with_records")
     REF_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     RESEED_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    WITH_RECORDS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     root_token: int
     policy: TreePolicy
     reseed: Reseed
     assumed: AssumedOutcome
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., reseed: _Optional[_Union[Reseed, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ...) -> None: ...
+    with_records: bool
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., reseed: _Optional[_Union[Reseed, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ..., with_records: _Optional[bool] = ...) -> None: ...
+
+class DraftRecords(_message.Message):
+    __slots__ = ("tokens", "parents", "confidences", "row_nodes")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    ROW_NODES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _tensor_pb2.Tensor
+    parents: _tensor_pb2.Tensor
+    confidences: _tensor_pb2.Tensor
+    row_nodes: _tensor_pb2.Tensor
+    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., confidences: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row_nodes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("ref", "tree", "nodes_expanded", "nodes_recorded", "draft_kv_bytes", "tree_seconds")
+    __slots__ = ("ref", "tree", "nodes_expanded", "nodes_recorded", "draft_kv_bytes", "tree_seconds", "records")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     NODES_EXPANDED_FIELD_NUMBER: _ClassVar[int]
     NODES_RECORDED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TREE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     tree: FlattenedTree
     nodes_expanded: int
     nodes_recorded: int
     draft_kv_bytes: int
     tree_seconds: float
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., nodes_expanded: _Optional[int] = ..., nodes_recorded: _Optional[int] = ..., draft_kv_bytes: _Optional[int] = ..., tree_seconds: _Optional[float] = ...) -> None: ...
+    records: DraftRecords
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., nodes_expanded: _Optional[int] = ..., nodes_recorded: _Optional[int] = ..., draft_kv_bytes: _Optional[int] = ..., tree_seconds: _Optional[float] = ..., records: _Optional[_Union[DraftRecords, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("ref", "tokens")
@@ -178,18 +194,32 @@ class Expert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("ref", "decision", "experts", "branch_kv_bytes", "round_id")
+    __slots__ = ("ref", "decision", "experts", "branch_kv_bytes", "round_id", "row_acceptance")
     REF_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROW_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     decision: AcceptanceDecision
     experts: _containers.RepeatedCompositeFieldContainer[Expert]
     branch_kv_bytes: int
     round_id: str
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., decision: _Optional[_Union[AcceptanceDecision, _Mapping]] = ..., experts: _Optional[_Iterable[_Union[Expert, _Mapping]]] = ..., branch_kv_bytes: _Optional[int] = ..., round_id: _Optional[str] = ...) -> None: ...
+    row_acceptance: _tensor_pb2.Tensor
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., decision: _Optional[_Union[AcceptanceDecision, _Mapping]] = ..., experts: _Optional[_Iterable[_Union[Expert, _Mapping]]] = ..., branch_kv_bytes: _Optional[int] = ..., round_id: _Optional[str] = ..., row_acceptance: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class CostsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CostCurve(_message.Message):
+    __slots__ = ("rows", "seconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rows: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ref",)

@@ -60,6 +60,11 @@ class DraftWorkerStub:
                 request_serializer=eyas_dot_v1_dot_round__pb2.WorkerHealthRequest.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.WorkerHealth.FromString,
                 _registered_method=True)
+        self.Costs = channel.unary_unary(
+                '/eyas.v1.DraftWorker/Costs',
+                request_serializer=eyas_dot_v1_dot_round__pb2.CostsRequest.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.CostCurve.FromString,
+                _registered_method=True)
 
 
 class DraftWorkerServicer:
@@ -96,6 +101,12 @@ class DraftWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Costs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +134,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=eyas_dot_v1_dot_round__pb2.WorkerHealthRequest.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.WorkerHealth.SerializeToString,
+            ),
+            'Costs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Costs,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.CostsRequest.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.CostCurve.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +287,33 @@ class DraftWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Costs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.DraftWorker/Costs',
+            eyas_dot_v1_dot_round__pb2.CostsRequest.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.CostCurve.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class TargetWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -305,6 +348,11 @@ class TargetWorkerStub:
                 '/eyas.v1.TargetWorker/Health',
                 request_serializer=eyas_dot_v1_dot_round__pb2.WorkerHealthRequest.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.WorkerHealth.FromString,
+                _registered_method=True)
+        self.Costs = channel.unary_unary(
+                '/eyas.v1.TargetWorker/Costs',
+                request_serializer=eyas_dot_v1_dot_round__pb2.CostsRequest.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.CostCurve.FromString,
                 _registered_method=True)
 
 
@@ -341,6 +389,12 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Costs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -368,6 +422,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=eyas_dot_v1_dot_round__pb2.WorkerHealthRequest.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.WorkerHealth.SerializeToString,
+            ),
+            'Costs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Costs,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.CostsRequest.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.CostCurve.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -505,6 +564,33 @@ class TargetWorker:
             '/eyas.v1.TargetWorker/Health',
             eyas_dot_v1_dot_round__pb2.WorkerHealthRequest.SerializeToString,
             eyas_dot_v1_dot_round__pb2.WorkerHealth.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Costs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.TargetWorker/Costs',
+            eyas_dot_v1_dot_round__pb2.CostsRequest.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.CostCurve.FromString,
             options,
             channel_credentials,
             insecure,

@@ -207,7 +207,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics", "cancelled", "ray_address")
+    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics", "cancelled", "ray_address", "tree_auto", "tree_chosen")
     class ServiceSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,13 @@ class StatusReply(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TreeChosenEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _round_pb2.TreePolicy
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ...) -> None: ...
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +246,8 @@ class StatusReply(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     RAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TREE_AUTO_FIELD_NUMBER: _ClassVar[int]
+    TREE_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     active: int
@@ -256,7 +265,9 @@ class StatusReply(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     cancelled: int
     ray_address: str
-    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., cancelled: _Optional[int] = ..., ray_address: _Optional[str] = ...) -> None: ...
+    tree_auto: bool
+    tree_chosen: _containers.MessageMap[str, _round_pb2.TreePolicy]
+    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., cancelled: _Optional[int] = ..., ray_address: _Optional[str] = ..., tree_auto: _Optional[bool] = ..., tree_chosen: _Optional[_Mapping[str, _round_pb2.TreePolicy]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("draft", "target")
