@@ -33,7 +33,7 @@ from eyas.autotree import Costs, TreeTuner
 from eyas.errors import RequestError
 from eyas.manifest import Manifest
 from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
-from eyas.rounds import run_round, start
+from eyas.rounds import RoundRecord, run_round, start
 from eyas.trace.messages import verify_exchange
 from eyas.trace.record import RequestRecorder
 from eyas.trace.store import TraceWriter
@@ -318,8 +318,7 @@ class Coordinator:
                     self._rebuild(job, lost)
                     continue
                 if job.policy is None:
-                    with self._tuner_lock:
-                        self.tuner.observe(record, concurrent)
+                    self._observe(job, record, concurrent)
                 job.stats.add_round(record)
                 self.metrics.observe_round(record, job.timing.as_dict(), self.running)
                 if job.recorder is not None:
@@ -339,6 +338,17 @@ class Coordinator:
         """Requests whose rounds share a target worker's forwards, on average: what `tree: auto` chooses for."""
         workers = max(1, len(self.pools["target"].members()))
         return max(1, -(-self.running // workers))
+
+    def _observe(self, job: Job, record: RoundRecord, concurrent: int) -> None:
+        """Feed an auto round to the tuner: its acceptance, and what its calls computed on the workers against the
+        measured curves (warm and alone there; inside rounds the other model has evicted their weights, and
+        batch-mates share the forwards), as the engine feeds it every forward."""
+        policy = record.policy
+        with self._tuner_lock:
+            self.tuner.observe(record, concurrent)
+            self.tuner.costs.observe("verify", concurrent * record.tree.num_rows, job.target_session.compute)
+            if policy.depth and not record.pre_built:  # a tree drafted ahead computed beside the last verification
+                self.tuner.costs.observe("draft", concurrent * policy.width, job.draft_session.compute / policy.depth)
 
     def _auto_policy(self, concurrent: int) -> TreePolicy:
         with self._tuner_lock:

@@ -239,6 +239,7 @@ class RemoteSession:
         self.request_id = request_id
         self.manifest_id = manifest_id
         self.timing = timing
+        self.compute = 0.0  # seconds the last round call (Draft or Verify) computed on the worker, batch-mates' rows among it
 
     def ref(self, version: int) -> tpb.RequestRef:
         return wire.ref(self.request_id, version, self.manifest_id)
@@ -294,7 +295,9 @@ class RemoteDraft(RemoteSession):
                       budget=policy.budget, root_token=root_token)
             return proposal
 
+        before = self.timing.compute
         proposal = self.client.call("Draft", build, pb.Proposal, parse, self.timing)
+        self.compute = self.timing.compute - before
         self._reseed = None
         return proposal
 
@@ -367,7 +370,9 @@ class RemoteTarget(RemoteSession):
             return verification
 
         keep = self._keep if self.keep_wire else None
+        before = self.timing.compute
         verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
+        self.compute = self.timing.compute - before
         self.round_id = round_id
         return verification
 
