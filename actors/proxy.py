@@ -2,8 +2,8 @@
 
 `RemoteDraft` and `RemoteTarget` implement `eyas.rounds.Drafting` / `Verifying`, so the coordinator
 runs the engine's own `start`, `run_round` and publish transaction against remote workers. The
-publish steps stay explicit, versioned messages: the reseed rides on the next Draft call, the
-commit is sent at once and runs on the target worker while the drafter drafts. Every reply is
+publish steps stay explicit, versioned messages: the reseed rides on the next Draft call and the commit on the
+next Verify call, so a round costs two calls, not three. Every reply is
 checked on receipt, and every call's time is split into RPC, serialization, queueing and compute.
 """
 
@@ -13,7 +13,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import grpc
@@ -33,7 +32,6 @@ from eyas.v1 import tensor_pb2 as tpb
 
 from .server import parse_timing
 
-SENDER_THREADS = 4  # calls in flight without a waiting caller, per worker (the commits of concurrent requests)
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -100,7 +98,6 @@ class WorkerClient:
             address, options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
         )
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
-        self._senders = ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix=f"eyas-send-{worker_id}")
         self._guard = threading.Lock()
         self._in_flight = 0
         self._closed = False
@@ -160,29 +157,6 @@ class WorkerClient:
         timing.rpc += (t2 - t1) - sum(server.values())
         return value
 
-    def send(self, method: str, build: Callable[[], Message], timing: CallTiming) -> Future:
-        """Start a call on a sender thread without waiting for its reply (`finish` collects it); its encoding
-        counts as serialization. (A sender thread costs the caller far less than a gRPC future.)"""
-        t0 = time.perf_counter()
-        data = build().SerializeToString()
-        timing.serialize += time.perf_counter() - t0
-        try:
-            return self._senders.submit(self._invoke, method, data)
-        except RuntimeError:  # closed: the worker was removed from its pool
-            raise WorkerLost(self, "the worker was removed from its pool") from None
-
-    def finish(self, future: Future, reply_type: type[Message], timing: CallTiming) -> Message:
-        """The reply of a call `send` started; only the time still spent waiting for it counts (as RPC)."""
-        t0 = time.perf_counter()
-        try:
-            reply = reply_type.FromString(future.result())
-        except grpc.RpcError as error:
-            raise self._translate(error) from None
-        except CancelledError:
-            raise WorkerLost(self, "the worker was removed from its pool") from None
-        timing.rpc += time.perf_counter() - t0
-        return reply
-
     def _stub(self, method: str) -> grpc.UnaryUnaryMultiCallable:
         if method not in self._methods:
             self._methods[method] = self._channel.unary_unary(f"/{self.service}/{method}")
@@ -226,7 +200,6 @@ class WorkerClient:
                 return
             self._closed = True
             idle = self._in_flight == 0
-        self._senders.shutdown(wait=False, cancel_futures=True)
         if idle:
             self._channel.close()
 
@@ -303,7 +276,7 @@ class RemoteDraft(RemoteSession):
 
 
 class RemoteTarget(RemoteSession):
-    """`eyas.rounds.Verifying` over gRPC; a commit is sent at once and runs while the next tree is drafted.
+    """`eyas.rounds.Verifying` over gRPC; a commit rides on the next Verify call (the worker applies it first).
 
     With `keep_wire`, `exchange` holds the last Verify request and reply bytes, for traces.
     """
@@ -321,7 +294,7 @@ class RemoteTarget(RemoteSession):
         super().__init__(client, request_id, manifest_id, timing)
         self.vocab_size = vocab_size
         self.feature_width = feature_width
-        self._commit: tuple[int, Future] | None = None
+        self._commit: pb.Commit | None = None
         self.round_id = ""  # the round of the tree last verified, which its commit names
         self.keep_wire = keep_wire
         self.exchange: tuple[bytes, bytes] | None = None
@@ -342,23 +315,20 @@ class RemoteTarget(RemoteSession):
         return self.client.call("Prefill", lambda: pb.Prefill(ref=self.ref(version), tokens=tokens), pb.PrefillReply, parse, self.timing)
 
     def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
-        """The target side of the publish, sent without waiting: it runs while the next tree is drafted,
-        off the round's critical path; `verify` first waits for its acknowledgement."""
-        message = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows, round_id=self.round_id)
-        self._commit = (version, self.client.send("Commit", lambda: message, self.timing))
+        """The target side of the publish, carried by the next Verify call: one call per round, not two (a lone
+        Commit call costs both ends more CPU than the worker's move of the accepted rows)."""
+        self._commit = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows, round_id=self.round_id)
 
     def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
-        if self._commit is not None:
-            committed, future = self._commit
-            self._commit = None
-            self.check_ref(self.client.finish(future, pb.Ack, self.timing).ref, committed)
-
         round_id = secrets.token_hex(16)
 
         def build():
             request = self.ref(version)
             tree_msg = wire.tree_to_proto(tree, request)
-            return pb.VerifyRequest(ref=request, tree=tree_msg, sampling=wire.sampling_to_proto(params), round_id=round_id)
+            msg = pb.VerifyRequest(ref=request, tree=tree_msg, sampling=wire.sampling_to_proto(params), round_id=round_id)
+            if self._commit is not None:
+                msg.commit.CopyFrom(self._commit)
+            return msg
 
         def parse(reply: pb.Verification) -> Verification:
             self.check_ref(reply.ref, version)
@@ -373,6 +343,7 @@ class RemoteTarget(RemoteSession):
         before = self.timing.compute
         verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
         self.compute = self.timing.compute - before
+        self._commit = None
         self.round_id = round_id
         return verification
 
