@@ -56,6 +56,22 @@ def test_front_door_listens_on_loopback(svc):
     assert svc["client"].health()["status"] == "SERVING"
 
 
+def test_a_round_costs_one_call_on_each_worker(svc):
+    """The reseed rides on the next Draft call and the commit on the next Verify call: besides its Start / Prefill
+    and its Release, a request costs each pool one call per round (no Commit or Reseed call of its own)."""
+    client = svc["client"]
+
+    def calls() -> dict[str, int]:
+        return {pool["name"]: sum(w["calls"] for w in pool["workers"]) for pool in client.status()["pools"]}
+
+    before = calls()
+    result = client.generate(PROMPTS[9], max_new_tokens=40)
+    after = calls()
+    rounds = result.stats["rounds"]
+    assert rounds > 1 and result.stats["rebuilds"] == 0
+    assert {name: after[name] - before[name] for name in after} == {"draft": rounds + 2, "target": rounds + 2}
+
+
 def test_concurrent_greedy_output_equals_engine_and_hugging_face(svc):
     # 24 requests against 2 x 8 target slots: the ones that find every slot taken wait, none is refused
     results = run_concurrently(svc["client"], [{"prompt": p, "max_new_tokens": n} for p, n in zip(PROMPTS, LENGTHS)])
