@@ -33,7 +33,7 @@ from eyas.autotree import Costs, TreeTuner
 from eyas.errors import RequestError
 from eyas.manifest import Manifest
 from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
-from eyas.rounds import RoundRecord, run_round, start
+from eyas.rounds import RoundRecord, round_steps, start
 from eyas.trace.messages import verify_exchange
 from eyas.trace.record import RequestRecorder
 from eyas.trace.store import TraceWriter
@@ -41,6 +41,7 @@ from eyas.tree import TreeError, TreePolicy
 
 from .config import ServiceConfig
 from .draft_worker import DraftWorker
+from .driver import RoundDriver
 from .errors import ServiceError
 from .frontdoor import FrontDoor
 from .job import DEFAULT_MAX_NEW_TOKENS, SERVICE_PHASES, Chunk, Job
@@ -106,6 +107,7 @@ class Coordinator:
         self.running = 0  # requests being served now (the concurrency label of metrics)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
+        self.rounds = RoundDriver()  # every request's rounds: their calls to a worker travel together
         self._frontdoor: FrontDoor | None = None
         self._stopped: asyncio.Event | None = None
         self.ray_address = ""
@@ -149,6 +151,7 @@ class Coordinator:
             await self._frontdoor.stop()
         await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self.rounds.close()
         self.metrics.close()
         if self.trace is not None:
             self.trace.close()
@@ -316,7 +319,9 @@ class Coordinator:
                 job.timing.reset()
                 concurrent = self._stepping_together()
                 try:
-                    record = run_round(job.state, job.draft_session, job.target_session, job.policy or self._auto_policy(concurrent))
+                    policy = job.policy or self._auto_policy(concurrent)
+                    steps = round_steps(job.state, job.draft_session, job.target_session, policy)
+                    record = self.rounds.run(steps, (job.draft.client, job.target.client))
                 except (WorkerLost, SessionLost) as lost:
                     self._rebuild(job, lost)
                     continue

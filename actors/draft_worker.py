@@ -37,6 +37,7 @@ class DraftWorker(Worker):
 
     role = "draft"
     service = "DraftWorker"
+    batched = ("Draft",)
 
     def load(self) -> None:
         spec = self.spec

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import grpc
 import torch
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from eyas import wire
 from eyas.autotree import EXPLORATIONS
@@ -25,14 +25,15 @@ from eyas.rounds import Proposal, Verification
 from eyas.treerows import check_fit
 from eyas.rpc import call_metadata, field_of
 from eyas.sampling import SamplingParams
-from eyas.steps import Steps, without_forwards
+from eyas.steps import Forward, Steps, run_alone, without_forwards
 from eyas.tree import FlattenedTree, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
-from .server import parse_timing
+from .server import PHASES, parse_timing
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class WorkerLost(Exception):
@@ -78,6 +79,29 @@ class CallTiming:
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def charge(self, server: dict[str, float], serialize: float, wire: float) -> None:
+        """Add one call: the worker's phases, the caller's own (de)serialization, and the wall time on the wire
+        (what the worker's phases leave of it is transport)."""
+        self.serialize += serialize + server["decode"] + server["encode"]
+        self.queue += server["queue"]
+        self.batch += server["batch"]
+        self.compute += server["compute"]
+        self.rpc += wire - sum(server.values())
+
+
+@dataclass
+class RemoteCall:
+    """A round's call on a worker, as its operation yields it (`eyas.steps.Forward` with the worker's client as
+    runner): built, sent and parsed by whoever drives the round, alone or in one Batch call with other requests'
+    calls (`actors.driver.RoundDriver`). `keep` gets the request and reply bytes exactly as they crossed the wire."""
+
+    method: str
+    build: Callable[[], Message]
+    reply_type: type[Message]
+    parse: Callable
+    timing: CallTiming
+    keep: Callable[[bytes, bytes], None] | None = None
 
 
 class WorkerClient:
@@ -148,14 +172,66 @@ class WorkerClient:
         if keep is not None:
             keep(data, raw)
         value = parse(reply_type.FromString(raw))
-        t3 = time.perf_counter()
-        server = parse_timing(call)
-        timing.serialize += (t1 - t0) + (t3 - t2) + server["decode"] + server["encode"]
-        timing.queue += server["queue"]
-        timing.batch += server["batch"]
-        timing.compute += server["compute"]
-        timing.rpc += (t2 - t1) - sum(server.values())
+        timing.charge(parse_timing(call), (t1 - t0) + (time.perf_counter() - t2), t2 - t1)
         return value
+
+    def rows(self, call: RemoteCall) -> int:
+        """`eyas.steps.Runner`: a call counts as one."""
+        return 1
+
+    def run(self, calls: list[RemoteCall]) -> list:
+        """`eyas.steps.Runner`: the calls' parsed replies, from one Batch call; the first refusal raises."""
+        outcomes = self.run_each(calls)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    def run_each(self, calls: list[RemoteCall]) -> list:
+        """Send calls of one rpc (each for a different request) as one Batch call: per call, its parsed reply, or
+        the exception it ended with (its own refusal, a reply that failed its receipt checks, or the worker lost)."""
+        method = calls[0].method
+        t0 = time.perf_counter()
+        data, built = [], []
+        for call in calls:
+            data.append(call.build().SerializeToString())
+            built.append(time.perf_counter())
+        batch = pb.CallBatch(method=method, calls=data).SerializeToString()
+        t1 = time.perf_counter()
+        builds = [b - a for a, b in zip([t0, *built[:-1]], built)]
+        try:
+            raw = self._invoke("Batch", batch)
+            t2 = time.perf_counter()
+            reply = pb.CallBatchReply.FromString(raw)
+            if len(reply.results) != len(calls):
+                raise wire.WireError("results", f"{len(reply.results)} results for {len(calls)} calls")
+        except (grpc.RpcError, DecodeError, wire.WireError) as error:
+            if isinstance(error, grpc.RpcError):
+                failure = self._translate(error)
+            else:
+                failure = error if isinstance(error, wire.WireError) else wire.WireError("results", f"not a CallBatchReply: {error}")
+            wall = time.perf_counter() - t1
+            for call, build in zip(calls, builds):
+                call.timing.charge(dict.fromkeys(PHASES, 0.0), build, wall)
+            return [failure] * len(calls)
+        outcomes = []
+        for call, sent, build, result in zip(calls, data, builds, reply.results):
+            t3 = time.perf_counter()
+            server = dict.fromkeys(PHASES, 0.0)
+            try:
+                if len(result.seconds) != len(PHASES):
+                    raise wire.WireError("results.seconds", f"{len(result.seconds)} phases, not {len(PHASES)}")
+                server = dict(zip(PHASES, result.seconds))
+                if result.code:
+                    code = STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN)
+                    raise self._refusal(code, result.field, result.details)
+                if call.keep is not None:
+                    call.keep(sent, result.reply)
+                outcomes.append(call.parse(call.reply_type.FromString(result.reply)))
+            except Exception as exc:
+                outcomes.append(exc)
+            call.timing.charge(server, build + time.perf_counter() - t3, t2 - t1)
+        return outcomes
 
     def _stub(self, method: str) -> grpc.UnaryUnaryMultiCallable:
         if method not in self._methods:
@@ -163,12 +239,15 @@ class WorkerClient:
         return self._methods[method]
 
     def _translate(self, error: grpc.RpcError) -> Exception:
-        code = error.code()
+        return self._refusal(error.code(), field_of(error.trailing_metadata()), error.details())
+
+    def _refusal(self, code: grpc.StatusCode, field: str, details: str) -> Exception:
+        """The exception a call's status means: the worker lost, the session lost, or a refusal naming `field`."""
         if code in LOST_CODES:
-            return WorkerLost(self, f"{code.name}: {error.details()}")
+            return WorkerLost(self, f"{code.name}: {details}")
         if code == grpc.StatusCode.NOT_FOUND:
-            return SessionLost(self, error.details())
-        return RemoteError(self, code, field_of(error.trailing_metadata()), error.details())
+            return SessionLost(self, details)
+        return RemoteError(self, code, field, details)
 
     def health(self, timeout: float = 5.0) -> pb.WorkerHealth:
         """The worker's counts; raises grpc.RpcError when it does not answer, WorkerLost after `close`."""
@@ -246,11 +325,14 @@ class RemoteDraft(RemoteSession):
     def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
         self._reseed = (version, features, list(tokens))
 
-    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
-        """`propose` as an operation of the round (the forwards run on the worker)."""
-        return without_forwards(self.propose, version, root_token, policy)
-
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
+        """`propose_steps` run alone."""
+        return run_alone(self.propose_steps(version, root_token, policy))
+
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
+        """The Draft call as an operation of the round: it yields the call, which its driver sends (the forwards
+        run on the worker)."""
+
         def build():
             msg = pb.DraftRequest(
                 ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
@@ -269,7 +351,7 @@ class RemoteDraft(RemoteSession):
             return proposal
 
         before = self.timing.compute
-        proposal = self.client.call("Draft", build, pb.Proposal, parse, self.timing)
+        proposal = yield Forward(self.client, RemoteCall("Draft", build, pb.Proposal, parse, self.timing))
         self.compute = self.timing.compute - before
         self._reseed = None
         return proposal
@@ -303,10 +385,6 @@ class RemoteTarget(RemoteSession):
         """`prefill` as an operation (the forward runs on the worker)."""
         return without_forwards(self.prefill, version, tokens)
 
-    def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
-        """`verify` as an operation of the round (the forward runs on the worker)."""
-        return without_forwards(self.verify, tree, version, params)
-
     def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
         def parse(reply: pb.PrefillReply) -> torch.Tensor:
             self.check_ref(reply.ref, version)
@@ -320,6 +398,12 @@ class RemoteTarget(RemoteSession):
         self._commit = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows, round_id=self.round_id)
 
     def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
+        """`verify_steps` run alone."""
+        return run_alone(self.verify_steps(tree, version, params))
+
+    def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
+        """The Verify call as an operation of the round: it yields the call, which its driver sends (the forward
+        runs on the worker)."""
         round_id = secrets.token_hex(16)
 
         def build():
@@ -341,7 +425,7 @@ class RemoteTarget(RemoteSession):
 
         keep = self._keep if self.keep_wire else None
         before = self.timing.compute
-        verification = self.client.call("Verify", build, pb.Verification, parse, self.timing, keep)
+        verification = yield Forward(self.client, RemoteCall("Verify", build, pb.Verification, parse, self.timing, keep))
         self.compute = self.timing.compute - before
         self._commit = None
         self.round_id = round_id

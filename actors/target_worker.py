@@ -113,6 +113,7 @@ class TargetWorker(Worker):
 
     role = "target"
     service = "TargetWorker"
+    batched = ("Verify",)
     follower = TargetRank
 
     def __init__(self, spec):

@@ -33,9 +33,9 @@ from eyas.tree import TreeError, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
-from .errors import ServiceError, abort
+from .errors import ServiceError, abort, status_of
 from .limits import MAX_ID_BYTES
-from .server import Clock, advertised_address, start_server
+from .server import PHASES, Clock, advertised_address, start_server
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -96,6 +96,7 @@ class Worker:
 
     role = ""
     service = ""
+    batched: tuple[str, ...] = ()  # the endpoints a `Batch` call may carry (those of a round)
     follower: type | None = None  # the actor class of ranks 1..N-1 when the worker leads a group
 
     def __init__(self, spec: WorkerSpec):
@@ -167,7 +168,9 @@ class Worker:
             await asyncio.to_thread(self.load)
         except Exception as exc:  # engine errors take several arguments; a plain one crosses Ray intact
             raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
-        methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in self.endpoints().items()}
+        endpoints = self.endpoints()
+        methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in endpoints.items()}
+        methods["Batch"] = self._batch({name: endpoints[name] for name in self.batched})
         methods["Release"] = self._unary(pb.Release, self.release)
         methods["Costs"] = self._unary(pb.CostsRequest, self.costs)
         methods["Health"] = grpc.unary_unary_rpc_method_handler(self._health)
@@ -190,64 +193,117 @@ class Worker:
 
     # -- serving ------------------------------------------------------------------------------
     def _unary(self, request_type: type[Message], fn: Callable[[Message, Clock], Message]) -> grpc.RpcMethodHandler:
-        """A raw-bytes handler: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
+        """A raw-bytes handler of one call: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            clock = Clock()
-            try:
-                try:
-                    request = request_type.FromString(raw)
-                except DecodeError as exc:
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
-                clock.lap("decode")
-                reply = await self._in_order(getattr(request, "ref", None), fn, request, clock)
-                data = reply.SerializeToString()
-                clock.lap("encode")
-            except Exception as exc:
-                await abort(context, exc)
+            (data, error, clock), = await self._serve_calls(request_type, fn, [raw])
+            if error is not None:
+                await abort(context, error)
             context.set_trailing_metadata(clock.trailer())
             return data
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
-    async def _in_order(self, ref, fn: Callable, request: Message, clock: Clock) -> Message:
-        """Run a call on the compute thread after the calls of the same request that arrived before it (and the
-        work they left running there)."""
-        loop = asyncio.get_running_loop()
-        key = ref.request_id if ref is not None else ""
-        if key:
-            self.interrupt(key)
-        previous = self._tails.get(key)
-        done = loop.create_future()
-        self._tails[key] = done
+    def _batch(self, endpoints: dict[str, tuple[type[Message], Callable]]) -> grpc.RpcMethodHandler:
+        """The `Batch` handler: several calls of one round endpoint, each served as `_unary` serves it alone and
+        answered with its own status, their operations submitted together so that their forwards share batches."""
 
-        def settle() -> None:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                try:
+                    batch = pb.CallBatch.FromString(raw)
+                except DecodeError as exc:
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a CallBatch: {exc}")
+                if batch.method not in endpoints:
+                    raise ServiceError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "method", f"{batch.method!r} is not one of {sorted(endpoints)}"
+                    )
+                served = await self._serve_calls(*endpoints[batch.method], list(batch.calls))
+            except Exception as exc:
+                await abort(context, exc)
+            results = []
+            for data, error, clock in served:
+                seconds = [clock.seconds[p] for p in PHASES]
+                if error is None:
+                    results.append(pb.CallResult(code=0, reply=data, seconds=seconds))
+                else:
+                    code, field, details = status_of(error)
+                    results.append(pb.CallResult(code=code.value[0], field=field, details=details, seconds=seconds))
+            return pb.CallBatchReply(results=results).SerializeToString()
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    async def _serve_calls(
+        self, request_type: type[Message], fn: Callable, raws: list[bytes]
+    ) -> list[tuple[bytes | None, BaseException | None, Clock]]:
+        """Decode each call, run it on the compute thread after the calls of its request that arrived before it (and
+        the work they left running there), and serialize its reply: (reply bytes, error, clock) per call.
+
+        The calls are submitted together, so that their forwards run as one batch per model. A request named
+        twice in one batch has its second call refused (it would wait for the first, submitted with it).
+        """
+        loop = asyncio.get_running_loop()
+        clocks = [Clock() for _ in raws]
+        outcomes: list[list] = [[None, None, clock] for clock in clocks]
+        admitted: list[tuple[int, str, Message]] = []
+        for i, raw in enumerate(raws):
+            try:
+                try:
+                    request = request_type.FromString(raw)
+                except DecodeError as exc:
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
+                ref = getattr(request, "ref", None)
+                key = ref.request_id if ref is not None else ""
+                if key and any(key == k for _, k, _ in admitted):
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", f"{key!r} has two calls in one batch")
+            except Exception as exc:
+                outcomes[i][1] = exc
+                continue
+            clocks[i].lap("decode")
+            admitted.append((i, key, request))
+        turns = []  # per admitted call: the call it waits for, and its own end
+        for _, key, _ in admitted:
+            if key:
+                self.interrupt(key)
+            turns.append((self._tails.get(key), loop.create_future()))
+            self._tails[key] = turns[-1][1]
+
+        def settle(key: str, done: asyncio.Future) -> None:
             done.set_result(None)
             if self._tails.get(key) is done:
                 del self._tails[key]
 
-        def ended(_) -> None:  # on the compute thread, once the call's operation has ended
-            after = self.followup(key) if key else None
-            if after is None:
-                loop.call_soon_threadsafe(settle)
-            else:
-                after.add_done_callback(lambda _: loop.call_soon_threadsafe(settle))
+        def ended(key: str, done: asyncio.Future) -> Callable[[Future], None]:
+            def on_compute_thread(_) -> None:  # once the call's operation has ended
+                after = self.followup(key) if key else None
+                if after is None:
+                    loop.call_soon_threadsafe(settle, key, done)
+                else:
+                    after.add_done_callback(lambda _: loop.call_soon_threadsafe(settle, key, done))
+
+            return on_compute_thread
 
         try:
-            if previous is not None:
-                await asyncio.shield(previous)
+            await asyncio.gather(*(asyncio.shield(previous) for previous, _ in turns if previous is not None))
         except BaseException:
-            settle()
+            for (_, key, _), (_, done) in zip(admitted, turns):
+                settle(key, done)
             raise
-        submitted = self.scheduler.submit(self._steps(fn, request, clock))
-        submitted.add_done_callback(ended)
-        op = await asyncio.wrap_future(submitted)
-        clock.move("compute", "batch", op.waited)
-        self.calls += 1
-        self.busy_seconds += clock.seconds["compute"]
-        if op.error is not None:
-            raise op.error
-        return op.result
+        submitted = self.scheduler.submit_many([self._steps(fn, request, clocks[i]) for i, _, request in admitted])
+        for (_, key, _), (_, done), future in zip(admitted, turns, submitted):
+            future.add_done_callback(ended(key, done))
+        ops = await asyncio.gather(*(asyncio.wrap_future(future) for future in submitted))
+        for (i, _, _), op in zip(admitted, ops):
+            clock = clocks[i]
+            clock.move("compute", "batch", op.waited)
+            self.calls += 1
+            self.busy_seconds += clock.seconds["compute"]
+            if op.error is not None:
+                outcomes[i][1] = op.error
+                continue
+            outcomes[i][0] = op.result.SerializeToString()
+            clock.lap("encode")
+        return [tuple(o) for o in outcomes]
 
     @staticmethod
     def _steps(fn: Callable, request: Message, clock: Clock) -> Steps[Message]:

@@ -96,14 +96,15 @@ def one_at_a_time(
         "identical": identical,
         "outputs": outputs,
         "rounds": rounds,
+        "service_rounds": remote_rounds,
         "in_process_ms_per_round": 1e3 * sum(local.values()) / rounds,
         "in_process_phases_ms_per_round": {p: 1e3 * s / rounds for p, s in local.items()},
-        "service_ms_per_round": 1e3 * sum(remote.values()) / rounds,
-        "service_breakdown_ms_per_round": {p: 1e3 * s / rounds for p, s in remote.items()},
+        "service_ms_per_round": 1e3 * sum(remote.values()) / remote_rounds,
+        "service_breakdown_ms_per_round": {p: 1e3 * s / remote_rounds for p, s in remote.items()},
         "in_process_tokens_per_s": tokens / local_wall,
         "service_tokens_per_s": tokens / remote_wall,
         "in_process_cpu_ms_per_round": 1e3 * local_cpu / rounds,
-        "service_cpu_ms_per_round": 1e3 * remote_cpu / rounds,
+        "service_cpu_ms_per_round": 1e3 * remote_cpu / remote_rounds,
         "in_process_ahead_hit_rate": local_hits / rounds,
         "service_ahead_hit_rate": remote_hits / remote_rounds,
     }
@@ -240,8 +241,11 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "identical_outputs": all(run["identical"] for run in sequential)
         and all(run["outputs"] == sequential[0]["outputs"] for run in parallel),
-        "rounds": sequential[0]["rounds"],
-        "tokens_per_round": args.requests * args.max_new_tokens / sequential[0]["rounds"],
+        "rounds": {"in_process": sequential[0]["rounds"], "service": sequential[0]["service_rounds"]},
+        "tokens_per_round": {
+            "in_process": args.requests * args.max_new_tokens / sequential[0]["rounds"],
+            "service": args.requests * args.max_new_tokens / sequential[0]["service_rounds"],
+        },
         "one_at_a_time": {
             "in_process_ms_per_round": local_ms,
             "in_process_phases_ms_per_round": {p: median(sequential, "in_process_phases_ms_per_round", p) for p in ENGINE_PHASES},

@@ -248,11 +248,15 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, steps: Steps) -> "Future[Operation]":
-        future: Future = Future()
+        return self.submit_many([steps])[0]
+
+    def submit_many(self, many: list[Steps]) -> "list[Future[Operation]]":
+        """Submit operations together: they join the lockstep at the same step, so their first forwards batch."""
+        futures: list[Future] = [Future() for _ in many]
         with self._cond:
-            self._incoming.append((steps, future))
+            self._incoming.extend(zip(many, futures))
             self._cond.notify()
-        return future
+        return futures
 
     def _admit(self, timeout: float | None = None) -> None:
         """Start the operations that have arrived (waiting up to `timeout` for one when none has, None: for ever)."""

@@ -268,3 +268,31 @@ class WorkerHealth(_message.Message):
     forward_calls: int
     forward_seconds: float
     def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+
+class CallBatch(_message.Message):
+    __slots__ = ("method", "calls")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calls: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, method: _Optional[str] = ..., calls: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CallResult(_message.Message):
+    __slots__ = ("code", "field", "details", "reply", "seconds")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    field: str
+    details: str
+    reply: bytes
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., details: _Optional[str] = ..., reply: _Optional[bytes] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CallBatchReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CallResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ...) -> None: ...

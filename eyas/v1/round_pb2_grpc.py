@@ -45,6 +45,11 @@ class DraftWorkerStub:
                 request_serializer=eyas_dot_v1_dot_round__pb2.DraftRequest.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.Proposal.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/eyas.v1.DraftWorker/Batch',
+                request_serializer=eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
+                _registered_method=True)
         self.Reseed = channel.unary_unary(
                 '/eyas.v1.DraftWorker/Reseed',
                 request_serializer=eyas_dot_v1_dot_round__pb2.Reseed.SerializeToString,
@@ -78,6 +83,12 @@ class DraftWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Draft(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Batch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +130,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=eyas_dot_v1_dot_round__pb2.DraftRequest.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.Proposal.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.CallBatch.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.SerializeToString,
             ),
             'Reseed': grpc.unary_unary_rpc_method_handler(
                     servicer.Reseed,
@@ -196,6 +212,33 @@ class DraftWorker:
             '/eyas.v1.DraftWorker/Draft',
             eyas_dot_v1_dot_round__pb2.DraftRequest.SerializeToString,
             eyas_dot_v1_dot_round__pb2.Proposal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.DraftWorker/Batch',
+            eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -334,6 +377,11 @@ class TargetWorkerStub:
                 request_serializer=eyas_dot_v1_dot_round__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.Verification.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/eyas.v1.TargetWorker/Batch',
+                request_serializer=eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/eyas.v1.TargetWorker/Commit',
                 request_serializer=eyas_dot_v1_dot_round__pb2.Commit.SerializeToString,
@@ -366,6 +414,12 @@ class TargetWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Batch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -407,6 +461,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=eyas_dot_v1_dot_round__pb2.VerifyRequest.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.Verification.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.CallBatch.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -483,6 +542,33 @@ class TargetWorker:
             '/eyas.v1.TargetWorker/Verify',
             eyas_dot_v1_dot_round__pb2.VerifyRequest.SerializeToString,
             eyas_dot_v1_dot_round__pb2.Verification.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.TargetWorker/Batch',
+            eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,132 @@
+"""The coordinator's rounds, driven together: the calls waiting for a worker go to it as one Batch call.
+
+Each request is served on its own thread (placement, rebuilds, streaming), and each hands its rounds to
+one `RoundDriver`. A round is the engine's own operation (`eyas.rounds.round_steps`); over remote
+sessions it yields its Draft and Verify calls (`actors.proxy.RemoteCall`) where a local session yields
+forwards. The driver sends the calls waiting for a worker as one Batch call as soon as that worker has
+none in flight, so the worker runs them in one batched forward, and a Batch takes at most half of the
+requests the worker serves: the requests settle into two groups, one drafting while the other verifies,
+so both pools work at once (docs/wire.md, "Batched calls").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from eyas.steps import Steps
+
+from .proxy import RemoteCall, WorkerClient
+
+T = TypeVar("T")
+GROUPS = 2  # request groups in flight on a worker pair: one drafting while the other verifies
+
+
+class _Round:
+    """One round in the driver: its operation, the workers it calls, when it last asked, and its end."""
+
+    __slots__ = ("steps", "workers", "asked", "future")
+
+    def __init__(self, steps: Steps, workers: tuple[WorkerClient, ...]):
+        self.steps = steps
+        self.workers = workers
+        self.asked = 0.0
+        self.future: Future = Future()
+
+
+class RoundDriver:
+    """Drives the rounds handed to it on one thread; their calls travel as Batch calls, one in flight per worker.
+
+    `run` blocks the calling (request) thread until its round has ended and returns the round's result or
+    raises its error. A refused call fails only its own round; a lost worker fails every round of the batch,
+    each of which its request rebuilds as before.
+    """
+
+    def __init__(self, name: str = "eyas-rounds"):
+        self._cond = threading.Condition()
+        self._arrived: list[_Round] = []
+        self._answered: list[tuple[tuple[WorkerClient, str], list[tuple[_Round, RemoteCall]], list]] = []
+        self._waiting: dict[tuple[WorkerClient, str], list[tuple[_Round, RemoteCall]]] = {}
+        self._in_flight: set[tuple[WorkerClient, str]] = set()
+        self._members: Counter[WorkerClient] = Counter()  # rounds in the driver that call each worker
+        self._senders = ThreadPoolExecutor(thread_name_prefix=f"{name}-send")
+        self.batches = 0  # Batch calls sent, and the calls they carried
+        self.calls = 0
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def run(self, steps: Steps[T], workers: tuple[WorkerClient, ...]) -> T:
+        """Drive one round that calls `workers`; returns its result (or raises its error) once it has ended."""
+        round_ = _Round(steps, workers)
+        with self._cond:
+            self._arrived.append(round_)
+            self._cond.notify()
+        return round_.future.result()
+
+    def close(self) -> None:
+        """Stop sending (once no request thread is left to hand a round over): a round still waiting then fails,
+        and Batch calls in flight end on their own (their workers answer or time out)."""
+        self._senders.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._arrived and not self._answered:
+                    self._cond.wait()
+                arrived, self._arrived = self._arrived, []
+                answered, self._answered = self._answered, []
+            for round_ in arrived:
+                self._members.update(round_.workers)
+                self._resume(round_, None, None)
+            for key, sent, outcomes in answered:
+                self._in_flight.discard(key)
+                for (round_, _), outcome in zip(sent, outcomes):
+                    if isinstance(outcome, BaseException):
+                        self._resume(round_, None, outcome)
+                    else:
+                        self._resume(round_, outcome, None)
+            self._send()
+
+    def _resume(self, round_: _Round, value: Any, error: BaseException | None) -> None:
+        """Run a round on to its next call (queued for that worker) or to its end."""
+        try:
+            forward = round_.steps.throw(error) if error is not None else round_.steps.send(value)
+        except StopIteration as stop:
+            self._members.subtract(round_.workers)
+            round_.future.set_result(stop.value)
+        except BaseException as exc:
+            self._members.subtract(round_.workers)
+            round_.future.set_exception(exc)
+        else:
+            round_.asked = time.perf_counter()
+            self._waiting.setdefault((forward.runner, forward.call.method), []).append((round_, forward.call))
+
+    def _send(self) -> None:
+        """Each worker with calls waiting and none in flight gets the earliest of them as one Batch call."""
+        for key, queue in self._waiting.items():
+            if not queue or key in self._in_flight:
+                continue
+            share = max(1, -(-self._members[key[0]] // GROUPS))
+            sent, queue[:] = queue[:share], queue[share:]
+            now = time.perf_counter()
+            for round_, call in sent:
+                call.timing.queue += now - round_.asked  # waiting here for the worker, behind the other group
+            self._in_flight.add(key)
+            self.batches += 1
+            self.calls += len(sent)
+            try:
+                self._senders.submit(self._send_batch, key, sent)
+            except RuntimeError as exc:  # closed: the rounds end with the error, their requests fail as they would
+                self._answered.append((key, sent, [exc] * len(sent)))
+
+    def _send_batch(self, key: tuple[WorkerClient, str], sent: list[tuple[_Round, RemoteCall]]) -> None:
+        """On a sender thread: one Batch call, whose per-call outcomes the driver's thread takes up."""
+        try:
+            outcomes = key[0].run_each([call for _, call in sent])
+        except Exception as exc:  # the client refused to send (closed): every call fails with it
+            outcomes = [exc] * len(sent)
+        with self._cond:
+            self._answered.append((key, sent, outcomes))
+            self._cond.notify()
