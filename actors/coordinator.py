@@ -34,6 +34,7 @@ from eyas.errors import RequestError
 from eyas.manifest import Manifest
 from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
 from eyas.rounds import RoundRecord, round_steps, start
+from eyas.steps import Steps
 from eyas.trace.messages import verify_exchange
 from eyas.trace.record import RequestRecorder
 from eyas.trace.store import TraceWriter
@@ -315,24 +316,10 @@ class Coordinator:
                 if job.draft.state != "ready" or job.target.state != "ready":
                     self._rebuild(job, None)
                     continue
-                t0 = time.perf_counter()
-                job.timing.reset()
-                concurrent = self._stepping_together()
                 try:
-                    policy = job.policy or self._auto_policy(concurrent)
-                    steps = round_steps(job.state, job.draft_session, job.target_session, policy)
-                    record = self.rounds.run(steps, (job.draft.client, job.target.client))
+                    self.rounds.run(self._rounds(job), (job.draft.client, job.target.client))
                 except (WorkerLost, SessionLost) as lost:
                     self._rebuild(job, lost)
-                    continue
-                if job.policy is None:
-                    self._observe(job, record, concurrent)
-                job.stats.add_round(record)
-                self.metrics.observe_round(record, job.timing.as_dict(), self.running)
-                if job.recorder is not None:
-                    job.recorder.round(record, *verify_exchange(*job.target_session.exchange), job.timing.as_dict())
-                self._emit(job, record.emitted)
-                self._account(job, time.perf_counter() - t0)
         except Exception as exc:
             error = exc
         self.metrics.observe_request(time.perf_counter() - began, self.running)
@@ -341,6 +328,24 @@ class Coordinator:
             self.metrics.active.set(self.running)
         self._close(job)
         self._conclude(job, error)
+
+    def _rounds(self, job: Job) -> Steps[None]:
+        """The request's rounds, run by the round driver, until it is done or cancelled or one of its workers is no
+        longer ready (the request's thread then moves it); each round's tokens are streamed as it commits."""
+        while not job.state.done and not job.cancelled.is_set() and job.draft.state == job.target.state == "ready":
+            t0 = time.perf_counter()
+            job.timing.reset()
+            concurrent = self._stepping_together()
+            policy = job.policy or self._auto_policy(concurrent)
+            record = yield from round_steps(job.state, job.draft_session, job.target_session, policy)
+            if job.policy is None:
+                self._observe(job, record, concurrent)
+            job.stats.add_round(record)
+            self.metrics.observe_round(record, job.timing.as_dict(), self.running)
+            if job.recorder is not None:
+                job.recorder.round(record, *verify_exchange(*job.target_session.exchange), job.timing.as_dict())
+            self._emit(job, record.emitted)
+            self._account(job, time.perf_counter() - t0)
 
     def _stepping_together(self) -> int:
         """Requests whose rounds share a target worker's forwards, on average: what `tree: auto` chooses for."""
