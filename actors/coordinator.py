@@ -1,8 +1,9 @@
 """The coordinator: request table, committed tokens (the source of truth), routing, recovery, accounting.
 
-Each admitted request runs on its own thread, so drafting for one request overlaps verification
-for another. A request's rounds are the engine's own `start` / `run_round` (with its publish
-transaction) over `RemoteDraft` / `RemoteTarget`. Routing is sticky: a request keeps its draft
+Each admitted request is placed on its own thread; its rounds run on the round driver
+(`actors.driver`), which sends the calls waiting for a worker as one Batch call, so that one group
+of requests drafts while another verifies. A request's rounds are the engine's own `start` /
+`round_steps` (with its publish transaction) over `RemoteDraft` / `RemoteTarget`. Routing is sticky: a request keeps its draft
 and target worker until one is lost or retiring; then its caches are rebuilt elsewhere from the
 committed tokens with `start`. Tokens reach the client only after `RequestState.commit`, and a
 failed round commits nothing, so no committed token is lost or repeated across a rebuild.
@@ -108,7 +109,8 @@ class Coordinator:
         self.running = 0  # requests being served now (the concurrency label of metrics)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
-        self.rounds = RoundDriver()  # every request's rounds: their calls to a worker travel together
+        # every request's rounds, whose calls to a worker travel together
+        self.rounds = RoundDriver(lambda pool, calls: self.metrics.batch_calls.labels(pool).observe(calls))
         self._frontdoor: FrontDoor | None = None
         self._stopped: asyncio.Event | None = None
         self.ray_address = ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -45,7 +46,9 @@ class RoundDriver:
     each of which its request rebuilds as before.
     """
 
-    def __init__(self, name: str = "eyas-rounds"):
+    def __init__(self, observe: Callable[[str, int], None] = lambda role, calls: None, name: str = "eyas-rounds"):
+        """`observe(role, calls)` hears of every Batch call sent to a worker of that pool (the service's metrics)."""
+        self.observe = observe
         self._cond = threading.Condition()
         self._arrived: list[_Round] = []
         self._answered: list[tuple[tuple[WorkerClient, str], list[tuple[_Round, RemoteCall]], list]] = []
@@ -53,8 +56,6 @@ class RoundDriver:
         self._in_flight: set[tuple[WorkerClient, str]] = set()
         self._members: Counter[WorkerClient] = Counter()  # rounds in the driver that call each worker
         self._senders = ThreadPoolExecutor(thread_name_prefix=f"{name}-send")
-        self.batches = 0  # Batch calls sent, and the calls they carried
-        self.calls = 0
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def run(self, steps: Steps[T], workers: tuple[WorkerClient, ...]) -> T:
@@ -114,8 +115,7 @@ class RoundDriver:
             for round_, call in sent:
                 call.timing.queue += now - round_.asked  # waiting here for the worker, behind the other group
             self._in_flight.add(key)
-            self.batches += 1
-            self.calls += len(sent)
+            self.observe(key[0].role, len(sent))
             try:
                 self._senders.submit(self._send_batch, key, sent)
             except RuntimeError as exc:  # closed: the rounds end with the error, their requests fail as they would

@@ -60,6 +60,9 @@ class ServiceMetrics:
         self.rounds = Counter(
             "eyas_rounds", "Verified rounds, by whether the tree was drafted ahead (hit) or drafted after the reseed (fresh)", ["tree"], registry=r
         )
+        self.batch_calls = Histogram(
+            "eyas_batch_calls", "Requests' calls per Batch call sent to a worker, by pool", ["pool"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r
+        )
         self._recent: deque[tuple[float, int, str]] = deque()
         self._throughput_labels: set[str] = set()
         self._lock = threading.Lock()

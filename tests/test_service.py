@@ -78,8 +78,15 @@ def test_concurrent_greedy_output_equals_engine_and_hugging_face(svc):
     expected = engine_outputs(svc["engine"], PROMPTS, LENGTHS)
     assert [r.token_ids for r in results] == expected
     assert [r.token_ids for r in results] == hf_greedy(svc["target"], PROMPTS, LENGTHS)
-    workers = [w for pool in svc["client"].status()["pools"] for w in pool["workers"]]
+    status = svc["client"].status()
+    workers = [w for pool in status["pools"] for w in pool["workers"]]
     assert len(workers) == 4 and all(w["calls"] > 0 for w in workers), "least-loaded routing uses every worker"
+    metrics = status["metrics"]
+    for pool in ("draft", "target"):
+        batches = metrics[f"eyas_batch_calls_count{{pool={pool}}}"]
+        assert metrics[f"eyas_batch_calls_sum{{pool={pool}}}"] > batches  # Batch calls carried several requests' calls
+        # ... and at most half of a worker's requests (at most KV_SLOTS = 8 each): the other half is in the other pool
+        assert metrics[f"eyas_batch_calls_bucket{{le=4.0,pool={pool}}}"] == batches
 
 
 def test_draft_ahead_hits_in_each_requests_stats_add_up_to_the_metric(svc):

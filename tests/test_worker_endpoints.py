@@ -104,9 +104,11 @@ class Live:
     def reseed_msg(self, **ref):
         return pb.Reseed(ref=self.ref(**ref), features=wire.tensor_to_proto(self.features), tokens=[self.request.root_token])
 
-    def finish(self) -> list[int]:
-        """Complete the pending round through the proxies, then run to the end."""
-        verification = self.target.verify(self.proposal.tree, self.version, self.request.sampling)
+    def finish(self, verification=None) -> list[int]:
+        """Complete the pending round through the proxies (with its `verification` when that was already served),
+        then run to the end."""
+        if verification is None:
+            verification = self.target.verify(self.proposal.tree, self.version, self.request.sampling)
         publish(self.request, verification.decision, verification.features, self.target, self.draft)
         while not self.request.done:
             run_round(self.request, self.draft, self.target, self.engine.tree)
@@ -164,6 +166,30 @@ def test_malformed_trees_are_refused_naming_the_field_and_change_nothing(workers
     for name, (tree, field) in malformed_trees(live.proposal.tree, live.proposal.tree.prefix_len).items():
         assert refused(workers["target"], "Verify", live.verify_msg(tree)) == (INVALID, field), name
     assert live.finish() == expected_output(workers)
+
+
+def test_a_batch_serves_each_call_as_alone_and_a_refused_call_changes_nothing_for_the_others(workers):
+    """One Batch call carries a request's Verify, another request's malformed tree, a second call for the first
+    request and bytes that are no message: the first is served as if it had come alone, each other one is refused
+    with its own status naming its field, and both requests then finish as the engine generates them."""
+    good, bad = Live(workers, "batch-good"), Live(workers, "batch-bad")
+    target = workers["target"]
+    steps = good.target.verify_steps(good.proposal.tree, good.version, good.request.sampling)
+    verify = next(steps).call  # the proxy's own call, as the coordinator's round driver sends it
+    sent = verify.build().SerializeToString()
+    tree, field = malformed_trees(bad.proposal.tree, bad.proposal.tree.prefix_len)["cycle"]
+    batch = pb.CallBatch(method="Verify", calls=[sent, bad.verify_msg(tree).SerializeToString(), sent, b"\xff\xff\xff"])
+    results = pb.CallBatchReply.FromString(call(target, "Batch", batch)).results
+    invalid = INVALID.value[0]
+    assert [(r.code, r.field) for r in results] == [(0, ""), (invalid, field), (invalid, "request_id"), (invalid, "message")]
+    assert len(results[0].seconds) == 5 and results[0].seconds[3] > 0  # decode, queue, batch, compute, encode
+    with pytest.raises(StopIteration) as served:
+        steps.send(verify.parse(pb.Verification.FromString(results[0].reply)))
+    assert good.finish(served.value.value) == expected_output(workers)
+    assert bad.finish() == expected_output(workers)
+    assert refused(target, "Batch", pb.CallBatch(method="Commit")) == (INVALID, "method")  # only a round's calls batch
+    assert refused(workers["draft"], "Batch", pb.CallBatch(method="Verify")) == (INVALID, "method")
+    assert pb.CallBatchReply.FromString(call(target, "Batch", pb.CallBatch(method="Verify"))).results == []
 
 
 def test_stale_and_future_versions_are_refused_at_every_versioned_endpoint(workers):
