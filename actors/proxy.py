@@ -3,8 +3,10 @@
 `RemoteDraft` and `RemoteTarget` implement `eyas.rounds.Drafting` / `Verifying`, so the coordinator
 runs the engine's own `start`, `run_round` and publish transaction against remote workers. The
 publish steps stay explicit, versioned messages: the reseed rides on the next Draft call and the commit on the
-next Verify call, so a round costs two calls, not three. Every reply is
-checked on receipt, and every call's time is split into RPC, serialization, queueing and compute.
+next Verify call, so a round costs two calls, not three. A round's Draft and Verify calls are yielded as
+`RemoteCall`s, which the coordinator's round driver sends with other requests' calls in one Batch call
+(`actors.driver`); run alone, a call is a Batch of one. Every reply is checked on receipt, and every call's
+time is split into RPC, serialization, queueing and compute.
 """
 
 from __future__ import annotations
