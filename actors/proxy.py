@@ -203,21 +203,17 @@ class WorkerClient:
         builds = [b - a for a, b in zip([t0, *built[:-1]], built)]
         try:
             raw = self._invoke("Batch", batch)
-            t2 = time.perf_counter()
-            reply = pb.CallBatchReply.FromString(raw)
-            if len(reply.results) != len(calls):
-                raise wire.WireError("results", f"{len(reply.results)} results for {len(calls)} calls")
-        except (grpc.RpcError, DecodeError, wire.WireError) as error:
-            if isinstance(error, grpc.RpcError):
-                failure = self._translate(error)
-            else:
-                failure = error if isinstance(error, wire.WireError) else wire.WireError("results", f"not a CallBatchReply: {error}")
-            wall = time.perf_counter() - t1
-            for call, build in zip(calls, builds):
-                call.timing.charge(dict.fromkeys(PHASES, 0.0), build, wall)
-            return [failure] * len(calls)
+        except grpc.RpcError as error:
+            return self._fail(calls, builds, self._translate(error), time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        try:
+            results = pb.CallBatchReply.FromString(raw).results
+        except DecodeError as exc:
+            return self._fail(calls, builds, wire.WireError("results", f"not a CallBatchReply: {exc}"), t2 - t1)
+        if len(results) != len(calls):
+            return self._fail(calls, builds, wire.WireError("results", f"{len(results)} results for {len(calls)} calls"), t2 - t1)
         outcomes = []
-        for call, sent, build, result in zip(calls, data, builds, reply.results):
+        for call, sent, build, result in zip(calls, data, builds, results):
             t3 = time.perf_counter()
             server = dict.fromkeys(PHASES, 0.0)
             try:
@@ -234,6 +230,13 @@ class WorkerClient:
                 outcomes.append(exc)
             call.timing.charge(server, build + time.perf_counter() - t3, t2 - t1)
         return outcomes
+
+    @staticmethod
+    def _fail(calls: list[RemoteCall], builds: list[float], error: Exception, wall: float) -> list:
+        """Every call of a batch ends with `error` (the worker lost, or its reply unreadable)."""
+        for call, build in zip(calls, builds):
+            call.timing.charge(dict.fromkeys(PHASES, 0.0), build, wall)
+        return [error] * len(calls)
 
     def _stub(self, method: str) -> grpc.UnaryUnaryMultiCallable:
         if method not in self._methods:

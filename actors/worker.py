@@ -196,7 +196,7 @@ class Worker:
         """A raw-bytes handler of one call: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            (data, error, clock), = await self._serve_calls(request_type, fn, [raw])
+            [(data, error, clock)] = await self._serve_calls(request_type, fn, [raw])
             if error is not None:
                 await abort(context, error)
             context.set_trailing_metadata(clock.trailer())
@@ -244,8 +244,10 @@ class Worker:
         """
         loop = asyncio.get_running_loop()
         clocks = [Clock() for _ in raws]
-        outcomes: list[list] = [[None, None, clock] for clock in clocks]
-        admitted: list[tuple[int, str, Message]] = []
+        replies: list[bytes | None] = [None] * len(raws)
+        errors: list[BaseException | None] = [None] * len(raws)
+        admitted: list[tuple[int, str, Message]] = []  # (call, its request id, its message)
+        keys: set[str] = set()
         for i, raw in enumerate(raws):
             try:
                 try:
@@ -254,11 +256,12 @@ class Worker:
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
                 ref = getattr(request, "ref", None)
                 key = ref.request_id if ref is not None else ""
-                if key and any(key == k for _, k, _ in admitted):
+                if key and key in keys:
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", f"{key!r} has two calls in one batch")
-            except Exception as exc:
-                outcomes[i][1] = exc
+            except ServiceError as exc:
+                errors[i] = exc
                 continue
+            keys.add(key)
             clocks[i].lap("decode")
             admitted.append((i, key, request))
         turns = []  # per admitted call: the call it waits for, and its own end
@@ -299,11 +302,11 @@ class Worker:
             self.calls += 1
             self.busy_seconds += clock.seconds["compute"]
             if op.error is not None:
-                outcomes[i][1] = op.error
+                errors[i] = op.error
                 continue
-            outcomes[i][0] = op.result.SerializeToString()
+            replies[i] = op.result.SerializeToString()
             clock.lap("encode")
-        return [tuple(o) for o in outcomes]
+        return list(zip(replies, errors, clocks))
 
     @staticmethod
     def _steps(fn: Callable, request: Message, clock: Clock) -> Steps[Message]:
