@@ -26,8 +26,9 @@ T = TypeVar("T")
 GROUPS = 2  # request groups in flight on a worker pair: one drafting while the other verifies
 
 
-class _Round:
-    """One round in the driver: its operation, the workers it calls, when it last asked, and its end."""
+class _Rounds:
+    """One request's rounds in the driver: their operation, the workers it calls, when it last asked for a call,
+    and its end."""
 
     __slots__ = ("steps", "workers", "asked", "future")
 
@@ -39,32 +40,34 @@ class _Round:
 
 
 class RoundDriver:
-    """Drives the rounds handed to it on one thread; their calls travel as Batch calls, one in flight per worker.
+    """Drives the requests' rounds handed to it on one thread; their calls travel as Batch calls, one in flight
+    per worker.
 
-    `run` blocks the calling (request) thread until its round has ended and returns the round's result or
-    raises its error. A refused call fails only its own round; a lost worker fails every round of the batch,
-    each of which its request rebuilds as before.
+    `run` blocks the calling (request) thread until the operation it handed over has ended, and returns its
+    result or raises its error. A refused call fails only its own request's round; a lost worker fails the
+    rounds of every request in the batch, each of which its request's thread rebuilds as before.
     """
 
     def __init__(self, observe: Callable[[str, int], None] = lambda role, calls: None, name: str = "eyas-rounds"):
         """`observe(role, calls)` hears of every Batch call sent to a worker of that pool (the service's metrics)."""
         self.observe = observe
         self._cond = threading.Condition()
-        self._arrived: list[_Round] = []
-        self._answered: list[tuple[tuple[WorkerClient, str], list[tuple[_Round, RemoteCall]], list]] = []
-        self._waiting: dict[tuple[WorkerClient, str], list[tuple[_Round, RemoteCall]]] = {}
+        self._arrived: list[_Rounds] = []
+        self._answered: list[tuple[tuple[WorkerClient, str], list[tuple[_Rounds, RemoteCall]], list]] = []
+        self._waiting: dict[tuple[WorkerClient, str], list[tuple[_Rounds, RemoteCall]]] = {}
         self._in_flight: set[tuple[WorkerClient, str]] = set()
         self._members: Counter[WorkerClient] = Counter()  # rounds in the driver that call each worker
         self._senders = ThreadPoolExecutor(thread_name_prefix=f"{name}-send")
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def run(self, steps: Steps[T], workers: tuple[WorkerClient, ...]) -> T:
-        """Drive one round that calls `workers`; returns its result (or raises its error) once it has ended."""
-        round_ = _Round(steps, workers)
+        """Drive `steps` (a request's rounds, an operation that calls `workers`); returns its result (or raises its
+        error) once it has ended."""
+        rounds = _Rounds(steps, workers)
         with self._cond:
-            self._arrived.append(round_)
+            self._arrived.append(rounds)
             self._cond.notify()
-        return round_.future.result()
+        return rounds.future.result()
 
     def close(self) -> None:
         """Stop sending (once no request thread is left to hand a round over): a round still waiting then fails,
@@ -78,50 +81,53 @@ class RoundDriver:
                     self._cond.wait()
                 arrived, self._arrived = self._arrived, []
                 answered, self._answered = self._answered, []
-            for round_ in arrived:
-                self._members.update(round_.workers)
-                self._resume(round_, None, None)
+            for rounds in arrived:
+                self._members.update(rounds.workers)
+                self._resume(rounds, None, None)
             for key, sent, outcomes in answered:
                 self._in_flight.discard(key)
-                for (round_, _), outcome in zip(sent, outcomes):
+                for (rounds, _), outcome in zip(sent, outcomes):
                     if isinstance(outcome, BaseException):
-                        self._resume(round_, None, outcome)
+                        self._resume(rounds, None, outcome)
                     else:
-                        self._resume(round_, outcome, None)
+                        self._resume(rounds, outcome, None)
             self._send()
 
-    def _resume(self, round_: _Round, value: Any, error: BaseException | None) -> None:
-        """Run a round on to its next call (queued for that worker) or to its end."""
+    def _resume(self, rounds: _Rounds, value: Any, error: BaseException | None) -> None:
+        """Run a request's rounds on to their next call (queued for that worker) or to their end."""
         try:
-            forward = round_.steps.throw(error) if error is not None else round_.steps.send(value)
+            forward = rounds.steps.throw(error) if error is not None else rounds.steps.send(value)
         except StopIteration as stop:
-            self._members.subtract(round_.workers)
-            round_.future.set_result(stop.value)
+            self._members.subtract(rounds.workers)
+            rounds.future.set_result(stop.value)
         except BaseException as exc:
-            self._members.subtract(round_.workers)
-            round_.future.set_exception(exc)
+            self._members.subtract(rounds.workers)
+            rounds.future.set_exception(exc)
         else:
-            round_.asked = time.perf_counter()
-            self._waiting.setdefault((forward.runner, forward.call.method), []).append((round_, forward.call))
+            rounds.asked = time.perf_counter()
+            self._waiting.setdefault((forward.runner, forward.call.method), []).append((rounds, forward.call))
 
     def _send(self) -> None:
         """Each worker with calls waiting and none in flight gets the earliest of them as one Batch call."""
+        for key in [key for key, queue in self._waiting.items() if not queue]:
+            del self._waiting[key]  # a worker gone from its pool leaves no queue behind
         for key, queue in self._waiting.items():
-            if not queue or key in self._in_flight:
+            if key in self._in_flight:
                 continue
             share = max(1, -(-self._members[key[0]] // GROUPS))
             sent, queue[:] = queue[:share], queue[share:]
             now = time.perf_counter()
-            for round_, call in sent:
-                call.timing.queue += now - round_.asked  # waiting here for the worker, behind the other group
+            for rounds, call in sent:
+                call.timing.queue += now - rounds.asked  # waiting here for the worker, behind the other group
             self._in_flight.add(key)
             self.observe(key[0].role, len(sent))
             try:
                 self._senders.submit(self._send_batch, key, sent)
             except RuntimeError as exc:  # closed: the rounds end with the error, their requests fail as they would
-                self._answered.append((key, sent, [exc] * len(sent)))
+                with self._cond:
+                    self._answered.append((key, sent, [exc] * len(sent)))
 
-    def _send_batch(self, key: tuple[WorkerClient, str], sent: list[tuple[_Round, RemoteCall]]) -> None:
+    def _send_batch(self, key: tuple[WorkerClient, str], sent: list[tuple[_Rounds, RemoteCall]]) -> None:
         """On a sender thread: one Batch call, whose per-call outcomes the driver's thread takes up."""
         try:
             outcomes = key[0].run_each([call for _, call in sent])
