@@ -5,8 +5,9 @@ Each admitted request is placed on its own thread; its rounds run on the round d
 of requests drafts while another verifies. A request's rounds are the engine's own `start` /
 `round_steps` (with its publish transaction) over `RemoteDraft` / `RemoteTarget`. Routing is
 sticky: a request keeps its draft and target worker until one is lost or retiring; then its caches
-are rebuilt elsewhere from the committed tokens with `start`. Tokens reach the client only after `RequestState.commit`, and a
-failed round commits nothing, so no committed token is lost or repeated across a rebuild.
+are rebuilt elsewhere from the committed tokens with `start`. Tokens reach the client only after
+`RequestState.commit`, and a failed round commits nothing, so no committed token is lost or repeated
+across a rebuild.
 
 As a Ray actor, the coordinator brings up both pools (built by the factory the cluster floor
 hands it) and serves the client-facing front door.

@@ -256,7 +256,7 @@ class Worker:
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
                 ref = getattr(request, "ref", None)
                 key = ref.request_id if ref is not None else ""
-                if key and key in keys:
+                if key in keys:  # an empty id too: the second call would wait for the first, submitted with it
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", f"{key!r} has two calls in one batch")
             except ServiceError as exc:
                 errors[i] = exc

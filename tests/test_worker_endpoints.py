@@ -190,6 +190,8 @@ def test_a_batch_serves_each_call_as_alone_and_a_refused_call_changes_nothing_fo
     assert refused(target, "Batch", pb.CallBatch(method="Commit")) == (INVALID, "method")  # only a round's calls batch
     assert refused(workers["draft"], "Batch", pb.CallBatch(method="Verify")) == (INVALID, "method")
     assert pb.CallBatchReply.FromString(call(target, "Batch", pb.CallBatch(method="Verify"))).results == []
+    nameless = pb.CallBatchReply.FromString(call(target, "Batch", pb.CallBatch(method="Verify", calls=[b"", b""]))).results
+    assert [(r.code, r.field) for r in nameless] == [(invalid, "request_id")] * 2  # answered, neither waits for the other
 
 
 def test_stale_and_future_versions_are_refused_at_every_versioned_endpoint(workers):
