@@ -356,15 +356,16 @@ class Coordinator:
         return max(1, -(-self.running // workers))
 
     def _observe(self, job: Job, record: RoundRecord, concurrent: int) -> None:
-        """Feed an auto round to the tuner: its acceptance, and what its calls computed on the workers against the
-        measured curves (warm and alone there; inside rounds the other model has evicted their weights, and
-        batch-mates share the forwards), as the engine feeds it every forward."""
-        policy = record.policy
+        """Feed an auto round to the tuner: its acceptance, and every forward its calls ran on the workers (rows,
+        batch-mates' among them, and seconds), which the tuner sets against the measured curves (warm and alone
+        there; inside rounds the other model has evicted their weights), as the engine feeds it every forward."""
         with self._tuner_lock:
             self.tuner.observe(record, concurrent)
-            self.tuner.costs.observe("verify", concurrent * record.tree.num_rows, job.target_session.compute)
-            if policy.depth and not record.pre_built:  # a tree drafted ahead computed beside the last verification
-                self.tuner.costs.observe("draft", concurrent * policy.width, job.draft_session.compute / policy.depth)
+            for rows, seconds in job.target_session.forwards:
+                self.tuner.costs.observe("verify", rows, seconds)
+            if not record.pre_built:  # a tree drafted ahead computed beside the last verification
+                for rows, seconds in job.draft_session.forwards:
+                    self.tuner.costs.observe("draft", rows, seconds)
 
     def _auto_policy(self, concurrent: int) -> TreePolicy:
         with self._tuner_lock:

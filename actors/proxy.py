@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import grpc
 import torch
@@ -96,7 +96,9 @@ class CallTiming:
 class RemoteCall:
     """A round's call on a worker, as its operation yields it (`eyas.steps.Forward` with the worker's client as
     runner): built, sent and parsed by whoever drives the round, alone or in one Batch call with other requests'
-    calls (`actors.driver.RoundDriver`). `keep` gets the request and reply bytes exactly as they crossed the wire."""
+    calls (`actors.driver.RoundDriver`). `keep` gets the request and reply bytes exactly as they crossed the wire;
+    `forwards`, once it is answered, the model forwards the worker ran for it (rows, batch-mates' among them, and
+    seconds of each)."""
 
     method: str
     build: Callable[[], Message]
@@ -104,6 +106,7 @@ class RemoteCall:
     parse: Callable
     timing: CallTiming
     keep: Callable[[bytes, bytes], None] | None = None
+    forwards: list[tuple[int, float]] = field(default_factory=list)
 
 
 class WorkerClient:
@@ -223,9 +226,12 @@ class WorkerClient:
                 if result.code:
                     code = STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN)
                     raise self._refusal(code, result.field, result.details)
+                if any(f.rows == 0 or not 0.0 <= f.seconds < float("inf") for f in result.forwards):
+                    raise wire.WireError("results.forwards", "a forward of no rows or of a time that is not a duration")
                 if call.keep is not None:
                     call.keep(sent, result.reply)
                 outcomes.append(call.parse(call.reply_type.FromString(result.reply)))
+                call.forwards = [(f.rows, f.seconds) for f in result.forwards]
             except Exception as exc:
                 outcomes.append(exc)
             call.timing.charge(server, build + time.perf_counter() - t3, t2 - t1)
@@ -296,7 +302,7 @@ class RemoteSession:
         self.request_id = request_id
         self.manifest_id = manifest_id
         self.timing = timing
-        self.compute = 0.0  # seconds the last round call (Draft or Verify) computed on the worker, batch-mates' rows among it
+        self.forwards: list[tuple[int, float]] = []  # the last round call's forwards on the worker (rows, seconds)
 
     def ref(self, version: int) -> tpb.RequestRef:
         return wire.ref(self.request_id, version, self.manifest_id)
@@ -355,9 +361,9 @@ class RemoteDraft(RemoteSession):
                       budget=policy.budget, root_token=root_token)
             return proposal
 
-        before = self.timing.compute
-        proposal = yield Forward(self.client, RemoteCall("Draft", build, pb.Proposal, parse, self.timing))
-        self.compute = self.timing.compute - before
+        call = RemoteCall("Draft", build, pb.Proposal, parse, self.timing)
+        proposal = yield Forward(self.client, call)
+        self.forwards = call.forwards
         self._reseed = None
         return proposal
 
@@ -429,9 +435,9 @@ class RemoteTarget(RemoteSession):
             return verification
 
         keep = self._keep if self.keep_wire else None
-        before = self.timing.compute
-        verification = yield Forward(self.client, RemoteCall("Verify", build, pb.Verification, parse, self.timing, keep))
-        self.compute = self.timing.compute - before
+        call = RemoteCall("Verify", build, pb.Verification, parse, self.timing, keep)
+        verification = yield Forward(self.client, call)
+        self.forwards = call.forwards
         self._commit = None
         self.round_id = round_id
         return verification

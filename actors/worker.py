@@ -196,7 +196,7 @@ class Worker:
         """A raw-bytes handler of one call: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            [(data, error, clock)] = await self._serve_calls(request_type, fn, [raw])
+            [(data, error, clock, _)] = await self._serve_calls(request_type, fn, [raw])
             if error is not None:
                 await abort(context, error)
             context.set_trailing_metadata(clock.trailer())
@@ -222,22 +222,24 @@ class Worker:
             except Exception as exc:
                 await abort(context, exc)
             results = []
-            for data, error, clock in served:
+            for data, error, clock, forwards in served:
                 seconds = [clock.seconds[p] for p in PHASES]
+                costs = [pb.ForwardCost(rows=rows, seconds=s) for rows, s in forwards]
                 if error is None:
-                    results.append(pb.CallResult(code=0, reply=data, seconds=seconds))
+                    results.append(pb.CallResult(code=0, reply=data, seconds=seconds, forwards=costs))
                 else:
                     code, field, details = status_of(error)
-                    results.append(pb.CallResult(code=code.value[0], field=field, details=details, seconds=seconds))
+                    results.append(pb.CallResult(code=code.value[0], field=field, details=details, seconds=seconds, forwards=costs))
             return pb.CallBatchReply(results=results).SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
     async def _serve_calls(
         self, request_type: type[Message], fn: Callable, raws: list[bytes]
-    ) -> list[tuple[bytes | None, BaseException | None, Clock]]:
+    ) -> list[tuple[bytes | None, BaseException | None, Clock, list[tuple[int, float]]]]:
         """Decode each call, run it on the compute thread after the calls of its request that arrived before it (and
-        the work they left running there), and serialize its reply: (reply bytes, error, clock) per call.
+        the work they left running there), and serialize its reply: (reply bytes, error, clock, the forwards it took
+        part in as (rows, seconds)) per call.
 
         The calls are submitted together, so that their forwards run as one batch per model. A request named
         twice in one batch has its second call refused (it would wait for the first, submitted with it).
@@ -246,6 +248,7 @@ class Worker:
         clocks = [Clock() for _ in raws]
         replies: list[bytes | None] = [None] * len(raws)
         errors: list[BaseException | None] = [None] * len(raws)
+        forwards: list[list[tuple[int, float]]] = [[] for _ in raws]
         admitted: list[tuple[int, str, Message]] = []  # (call, its request id, its message)
         keys: set[str] = set()
         for i, raw in enumerate(raws):
@@ -299,6 +302,7 @@ class Worker:
         for (i, _, _), op in zip(admitted, ops):
             clock = clocks[i]
             clock.move("compute", "batch", op.waited)
+            forwards[i] = op.forwards
             self.calls += 1
             self.busy_seconds += clock.seconds["compute"]
             if op.error is not None:
@@ -306,7 +310,7 @@ class Worker:
                 continue
             replies[i] = op.result.SerializeToString()
             clock.lap("encode")
-        return list(zip(replies, errors, clocks))
+        return list(zip(replies, errors, clocks, forwards))
 
     @staticmethod
     def _steps(fn: Callable, request: Message, clock: Clock) -> Steps[Message]:

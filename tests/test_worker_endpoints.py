@@ -7,6 +7,7 @@ with their service's credential (KEY here), even on loopback.
 """
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -17,11 +18,12 @@ from tests.helpers.servicekit import TREE, build_models
 from eyas import Engine, wire
 from eyas.actors.config import PoolConfig
 from eyas.actors.draft_worker import DraftWorker
-from eyas.actors.proxy import CallTiming, RemoteDraft, RemoteTarget, WorkerClient
+from eyas.actors.proxy import CallTiming, RemoteCall, RemoteDraft, RemoteTarget, WorkerClient
 from eyas.actors.target_worker import TargetWorker
 from eyas.actors.worker import WorkerSpec
 from eyas.actors.routing import PoolError
 from eyas.cluster.pools import Pool
+from eyas.errors import WireError
 from eyas.publish import publish
 from eyas.rounds import run_round, start
 from eyas.rpc import TOKEN_KEY, field_of
@@ -183,6 +185,7 @@ def test_a_batch_serves_each_call_as_alone_and_a_refused_call_changes_nothing_fo
     invalid = INVALID.value[0]
     assert [(r.code, r.field) for r in results] == [(0, ""), (invalid, field), (invalid, "request_id"), (invalid, "message")]
     assert len(results[0].seconds) == 5 and results[0].seconds[3] > 0  # decode, queue, batch, compute, encode
+    assert [[f.rows for f in r.forwards] for r in results] == [[good.proposal.tree.num_rows], [], [], []]  # refused: none ran
     with pytest.raises(StopIteration) as served:
         steps.send(verify.parse(pb.Verification.FromString(results[0].reply)))
     assert good.finish(served.value.value) == expected_output(workers)
@@ -192,6 +195,51 @@ def test_a_batch_serves_each_call_as_alone_and_a_refused_call_changes_nothing_fo
     assert pb.CallBatchReply.FromString(call(target, "Batch", pb.CallBatch(method="Verify"))).results == []
     nameless = pb.CallBatchReply.FromString(call(target, "Batch", pb.CallBatch(method="Verify", calls=[b"", b""]))).results
     assert [(r.code, r.field) for r in nameless] == [(invalid, "request_id")] * 2  # answered, neither waits for the other
+
+
+def test_each_round_call_reports_the_forwards_it_ran(workers):
+    """A Draft and a Verify call come back with the model forwards the worker ran for them (rows, batch-mates' among
+    them, and seconds): what tree auto prices trees with in a service, as an engine's forwards do in process. A
+    verification alone is one forward of its tree's rows; drafting is one forward per level of the tree."""
+    live = Live(workers, "forwards")
+    depth = live.engine.tree.depth
+    assert len(live.draft.forwards) == depth and all(rows > 0 and seconds > 0 for rows, seconds in live.draft.forwards)
+    verification = live.target.verify(live.proposal.tree, live.version, live.request.sampling)
+    [(rows, seconds)] = live.target.forwards
+    assert rows == live.proposal.tree.num_rows and seconds > 0
+    assert live.finish(verification) == expected_output(workers)
+
+
+def test_the_proxy_refuses_a_batch_result_with_forwards_that_are_not_forwards():
+    """The forwards a worker reports are checked on receipt like the rest of its reply: a real gRPC server on
+    loopback answering Batch with a forward of no rows, or of a time that is no duration, fails that call naming
+    `results.forwards`; well-formed forwards reach the call."""
+    answers = []
+
+    def batch(raw: bytes, context) -> bytes:
+        reply = pb.Verification(round_id="r").SerializeToString()
+        return pb.CallBatchReply(results=[pb.CallResult(reply=reply, seconds=[0.0] * 5, forwards=answers.pop())]).SerializeToString()
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("eyas.v1.TargetWorker", {"Batch": grpc.unary_unary_rpc_method_handler(batch)})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = WorkerClient("target", "w", f"127.0.0.1:{port}", None, timeout=30)
+    try:
+        for forwards in ([pb.ForwardCost(rows=0, seconds=0.01)], [pb.ForwardCost(rows=3, seconds=float("nan"))],
+                         [pb.ForwardCost(rows=3, seconds=-1.0)], [pb.ForwardCost(rows=3, seconds=0.01)]):
+            answers.append(forwards)
+            verify = RemoteCall("Verify", pb.VerifyRequest, pb.Verification, lambda reply: reply.round_id, CallTiming())
+            [outcome] = client.run_each([verify])
+            if forwards[0].rows and forwards[0].seconds > 0:
+                assert outcome == "r" and verify.forwards == [(3, 0.01)]
+            else:
+                assert isinstance(outcome, WireError) and outcome.field == "results.forwards" and verify.forwards == []
+    finally:
+        client.close()
+        server.stop(None)
 
 
 def test_stale_and_future_versions_are_refused_at_every_versioned_endpoint(workers):

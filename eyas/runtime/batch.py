@@ -119,10 +119,11 @@ def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 
 
 class Operation:
-    """One operation driven by a `Lockstep`: its result or error once done, and the seconds it spent waiting for
-    batch-mates (from asking for a forward to the start of the batch that ran it)."""
+    """One operation driven by a `Lockstep`: its result or error once done, the seconds it spent waiting for
+    batch-mates (from asking for a forward to the start of the batch that ran it), and the batches it took part in
+    (rows, its batch-mates' among them, and wall seconds of each)."""
 
-    __slots__ = ("steps", "done", "forward", "asked", "waited", "result", "error")
+    __slots__ = ("steps", "done", "forward", "asked", "waited", "forwards", "result", "error")
 
     def __init__(self, steps: Steps, done: Callable[["Operation"], None]):
         self.steps = steps
@@ -130,6 +131,7 @@ class Operation:
         self.forward: Forward | None = None
         self.asked = 0.0
         self.waited = 0.0
+        self.forwards: list[tuple[int, float]] = []
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -202,6 +204,8 @@ class Lockstep:
         else:
             answers = [(op, result, None) for op, result in zip(batch, results)]
         seconds = time.perf_counter() - started
+        for op in batch:
+            op.forwards.append((rows, seconds))
         if self.observer is not None and answers[0][2] is None:
             self.observer(batch[0].forward.runner, rows, seconds)
         self.seconds += seconds

@@ -278,18 +278,28 @@ class CallBatch(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CallResult(_message.Message):
-    __slots__ = ("code", "field", "details", "reply", "seconds")
+    __slots__ = ("code", "field", "details", "reply", "seconds", "forwards")
     CODE_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
     code: int
     field: str
     details: str
     reply: bytes
     seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., details: _Optional[str] = ..., reply: _Optional[bytes] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    forwards: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., details: _Optional[str] = ..., reply: _Optional[bytes] = ..., seconds: _Optional[_Iterable[float]] = ..., forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ...) -> None: ...
+
+class ForwardCost(_message.Message):
+    __slots__ = ("rows", "seconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    seconds: float
+    def __init__(self, rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CallBatchReply(_message.Message):
     __slots__ = ("results",)
