@@ -223,13 +223,15 @@ class Worker:
                 await abort(context, exc)
             results = []
             for data, error, clock, forwards in served:
-                seconds = [clock.seconds[p] for p in PHASES]
-                costs = [pb.ForwardCost(rows=rows, seconds=s) for rows, s in forwards]
+                timing = {
+                    "seconds": [clock.seconds[p] for p in PHASES],
+                    "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in forwards],
+                }
                 if error is None:
-                    results.append(pb.CallResult(code=0, reply=data, seconds=seconds, forwards=costs))
+                    results.append(pb.CallResult(code=0, reply=data, **timing))
                 else:
                     code, field, details = status_of(error)
-                    results.append(pb.CallResult(code=code.value[0], field=field, details=details, seconds=seconds, forwards=costs))
+                    results.append(pb.CallResult(code=code.value[0], field=field, details=details, **timing))
             return pb.CallBatchReply(results=results).SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(handle)
