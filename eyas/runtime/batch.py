@@ -120,8 +120,8 @@ def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 
 class Operation:
     """One operation driven by a `Lockstep`: its result or error once done, the seconds it spent waiting for
-    batch-mates (from asking for a forward to the start of the batch that ran it), and the batches it took part in
-    (rows, its batch-mates' among them, and wall seconds of each)."""
+    batch-mates (from asking for a forward to the start of the batch that ran it), and, where its lockstep keeps them,
+    the batches it took part in (rows, its batch-mates' among them, and wall seconds of each)."""
 
     __slots__ = ("steps", "done", "forward", "asked", "waited", "forwards", "result", "error")
 
@@ -149,10 +149,15 @@ class Lockstep:
 
     MAX_SKIPS = 16
 
-    def __init__(self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float], None] | None = None):
-        """`observer(runner, rows, seconds)` hears of every batch that ran (e.g. tree auto learning forward costs)."""
+    def __init__(
+        self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float], None] | None = None, keep_forwards: bool = False
+    ):
+        """`observer(runner, rows, seconds)` hears of every batch that ran (e.g. tree auto learning forward costs);
+        `keep_forwards`: each operation also keeps its batches (a worker's calls report them; an engine's operations
+        last a whole request and its observer has heard of every batch)."""
         self.max_rows = max_rows
         self.observer = observer
+        self.keep_forwards = keep_forwards
         self.waiting: list[Operation] = []
         self.batches = 0  # batched forwards so far, the calls they served and their wall seconds
         self.calls = 0
@@ -204,8 +209,9 @@ class Lockstep:
         else:
             answers = [(op, result, None) for op, result in zip(batch, results)]
         seconds = time.perf_counter() - started
-        for op in batch:
-            op.forwards.append((rows, seconds))
+        if self.keep_forwards:
+            for op in batch:
+                op.forwards.append((rows, seconds))
         if self.observer is not None and answers[0][2] is None:
             self.observer(batch[0].forward.runner, rows, seconds)
         self.seconds += seconds
@@ -245,7 +251,7 @@ class Scheduler:
 
     def __init__(self, name: str, max_ops: int = 64, max_rows: int = MAX_BATCH_ROWS):
         self.max_ops = max_ops
-        self.lockstep = Lockstep(max_rows)
+        self.lockstep = Lockstep(max_rows, keep_forwards=True)  # each call reports the forwards it took part in
         self._incoming: deque[tuple[Steps, Future]] = deque()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
