@@ -181,7 +181,7 @@ def small_vocab_engine(tmp_path_factory):
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     drafter = make_drafter(root / "d", target, "eagle1")
-    return Engine.from_pretrained(target, drafter, tree={"width": 3, "depth": 2, "budget": 6})
+    return Engine.from_pretrained(target, drafter, tree={"width": 3, "depth": 2, "budget": 6}, kv_slots=64)
 
 
 def exact_two_token_joint(engine, prompt, params):
@@ -202,10 +202,15 @@ def test_engine_sampling_matches_the_exact_target_joint_distribution(small_vocab
     params = SamplingParams(temperature=1.0, top_p=top_p)
     joint = exact_two_token_joint(engine, prompt, params)
     trials = 3000
+    options = dict(max_new_tokens=2, temperature=1.0, top_p=top_p)
+    if speculate:  # one seeded trial per request, 64 requests a forward; the first trials also alone, to the same tokens
+        gens = engine.generate_batch([prompt] * trials, seed=list(range(trials)), **options)
+        assert [g.token_ids for g in gens[:20]] == [engine.generate(prompt, seed=s, **options).token_ids for s in range(20)]
+    else:
+        gens = [engine.generate(prompt, seed=seed, speculate=False, **options) for seed in range(trials)]
     counts = torch.zeros(8, 8)
     accepted_any = 0
-    for seed in range(trials):
-        gen = engine.generate(prompt, max_new_tokens=2, temperature=1.0, top_p=top_p, seed=seed, speculate=speculate)
+    for gen in gens:
         counts[gen.token_ids[0], gen.token_ids[1]] += 1
         accepted_any += gen.stats.accepted_length_histogram[0] < gen.stats.rounds
     assert accepted_any > trials // 10 if speculate else accepted_any == 0  # drafts used only when speculating
