@@ -214,12 +214,14 @@ class Engine:
         stop: Sequence[str] = (),
         stop_at_eos: bool = True,
         tree: TreePolicy | dict | str | None = None,
+        speculate: bool = True,
     ) -> list[Generation]:
         """Generate for every prompt at once: the requests step in lockstep, so each phase of every round (drafting
         level by level, verification, reseeding) is one batched forward for all of them.
 
         `max_new_tokens` and `seed` may be given per request. A request's output does not depend on
-        its batch-mates. Requests beyond the KV pool's free slots start as slots free.
+        its batch-mates. Requests beyond the KV pool's free slots start as slots free. `speculate=False`
+        decodes every request plainly, as `generate` does, one batched target forward per token.
         """
         count = len(prompts)
         limits = [max_new_tokens] * count if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -230,7 +232,7 @@ class Engine:
             self.new_request(p, m, temperature, top_p, top_k, s, stop, stop_at_eos)
             for p, m, s in zip(prompts, limits, seeds)
         ]
-        return self._run(requests, tree, None, None, wait=True)
+        return self._run(requests, tree, None, None, speculate=speculate, wait=True)
 
     def _run(
         self,

@@ -203,11 +203,10 @@ def test_engine_sampling_matches_the_exact_target_joint_distribution(small_vocab
     joint = exact_two_token_joint(engine, prompt, params)
     trials = 3000
     options = dict(max_new_tokens=2, temperature=1.0, top_p=top_p)
-    if speculate:  # one seeded trial per request, 64 requests a forward; the first trials also alone, to the same tokens
-        gens = engine.generate_batch([prompt] * trials, seed=list(range(trials)), **options)
-        assert [g.token_ids for g in gens[:20]] == [engine.generate(prompt, seed=s, **options).token_ids for s in range(20)]
-    else:
-        gens = [engine.generate(prompt, seed=seed, speculate=False, **options) for seed in range(trials)]
+    # one seeded trial per request, 64 requests a forward; the first trials also alone, to the same tokens
+    gens = engine.generate_batch([prompt] * trials, seed=list(range(trials)), speculate=speculate, **options)
+    alone = [engine.generate(prompt, seed=s, speculate=speculate, **options).token_ids for s in range(20)]
+    assert [g.token_ids for g in gens[:20]] == alone
     counts = torch.zeros(8, 8)
     accepted_any = 0
     for gen in gens:
