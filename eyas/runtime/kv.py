@@ -178,10 +178,9 @@ class SlotBatch:
         if len(self.slots) == 1:
             self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, runs, None, None, None, None)
             return
-        src_b = torch.cat([torch.full((n,), b) for b, n in enumerate(self.lengths)]).to(device)
-        src_n = torch.cat([torch.arange(n) for n in self.lengths]).to(device)
-        dst_slot = torch.tensor(self.slots).repeat_interleave(torch.tensor(self.lengths)).to(device)
-        dst_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).to(device)
+        # per real row: (batch entry, row in the entry, slot, slot position), built as one tensor, one copy to the device
+        rows = [(b, i, slot, start + i) for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)) for i in range(n)]
+        src_b, src_n, dst_slot, dst_pos = torch.tensor(rows, dtype=torch.long).t().contiguous().to(device)  # 4 x [R]
         self.writes = Writes(0, 0, 0, self.key_len, runs, src_b, src_n, dst_slot, dst_pos)
 
     @property
