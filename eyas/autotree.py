@@ -366,7 +366,8 @@ class TreeTuner:
     explored_chains: Explored = field(default_factory=Explored)  # the last EXPLORE_CHAIN rounds
     calibration: Calibration = field(default_factory=Calibration)  # for the nodes exploring rounds left unverified
     realised: deque = field(default_factory=lambda: deque(maxlen=48))  # (tokens, predicted tokens) per round
-    overheads: deque = field(default_factory=lambda: deque(maxlen=32))
+    overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone exploring rounds: (tree/depth, rows, rest)
+    chosen_overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone chosen rounds, likewise
     levels: dict[int, deque] = field(default_factory=dict)  # concurrency -> drafting seconds per level beyond the model
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0  # exploring rounds still to hand out
@@ -419,6 +420,8 @@ class TreeTuner:
         chosen = self.choices.get(concurrent)
         if chosen is None or chosen.policy != record.policy:
             return  # a round drafted before the latest choice predicts nothing about it
+        if concurrent == 1 and not record.pre_built:  # a tree drafted ahead skipped its drafting time
+            self._calibrate(record, exploring=False)
         self.since_choice += 1
         self.realised.append((record.decision.num_accepted + 1, chosen.tokens, chosen.variance))
         if len(self.realised) == self.realised.maxlen:
@@ -436,7 +439,7 @@ class TreeTuner:
             replay = Replay(record.draft_tree, accept, self.calibration.rates())
             self.rounds_of(record.policy).append(replay)
         if concurrent == 1:
-            self._calibrate(record)
+            self._calibrate(record, exploring=True)
 
     def drifted(self) -> bool:
         """Realised tokens per round differ from the prediction by more than `drift`, beyond three standard errors."""
@@ -448,20 +451,27 @@ class TreeTuner:
         gap = abs(mean - predicted)
         return gap > self.drift * predicted and gap > 3.0 * (variance + predicted_variance) ** 0.5
 
-    def _calibrate(self, record: RoundRecord) -> None:
-        """Learn the time a lone exploration round spends outside model forwards: tree bookkeeping per depth, the
-        rest per round and per verified row (fitted over the chain and wide exploration rounds, whose rows differ: a
-        wide tree's rest costs several times a chain's, so one per-round figure would overcharge small trees).
-        Requests stepping together take turns at it (`Costs.round_seconds`)."""
+    def _calibrate(self, record: RoundRecord, exploring: bool) -> None:
+        """Learn the time a lone round spends outside model forwards: tree bookkeeping per depth, the rest per round
+        and per verified row. The slope over rows is fitted over the exploration rounds, whose rows differ (a wide
+        tree's rest costs several times a chain's, so one per-round figure would overcharge small trees). Once
+        chosen rounds have run, they set the level: an exploring round also carries every node it recorded (over
+        the wire, in a service, with its receipt checks), which a chosen round does not, so a level fitted on
+        exploring rounds alone would overcharge every round and favour large trees. Requests stepping together take
+        turns at it (`Costs.round_seconds`)."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
         model = self.costs.model_seconds(policy, record.decision.num_accepted + 1)
         tree = seconds.get("tree", 0.0)
         rest = max(0.0, observed - model - tree)
-        self.overheads.append((tree / policy.depth, policy.budget + 1, rest))
-        self.costs.overhead_per_depth = sum(d for d, _, _ in self.overheads) / len(self.overheads)
-        self.costs.overhead_per_round, self.costs.overhead_per_row = fit_line([(rows, r) for _, rows, r in self.overheads])
+        (self.overheads if exploring else self.chosen_overheads).append((tree / policy.depth, policy.budget + 1, rest))
+        lone = [*self.overheads, *self.chosen_overheads]
+        self.costs.overhead_per_depth = sum(d for d, _, _ in lone) / len(lone)
+        per_round, per_row = fit_line([(rows, r) for _, rows, r in self.overheads]) if self.overheads else (0.0, 0.0)
+        if self.chosen_overheads:
+            per_round = max(0.0, statistics.median(r - per_row * rows for _, rows, r in self.chosen_overheads))
+        self.costs.overhead_per_round, self.costs.overhead_per_row = per_round, per_row
 
     def _measure_lockstep(self, record: RoundRecord, concurrent: int) -> None:
         """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: a level of a

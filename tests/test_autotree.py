@@ -180,6 +180,33 @@ def test_bookkeeping_is_fitted_over_rows_through_medians():
     assert fit_line([(9, 0.004), (65, 0.001)]) == (pytest.approx(0.0025), 0.0)  # never a negative slope
 
 
+def test_bookkeeping_is_sloped_on_exploring_rounds_and_levelled_on_chosen_ones(engine):
+    """The rest of a lone round outside the models: its slope over rows from the exploration rounds, its level from
+    the chosen rounds once there are some (an exploring round also carries every node it recorded); a round whose
+    tree was drafted ahead is left out (it skipped its drafting)."""
+    rounds = []
+    generate_auto(engine, TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3), max_new_tokens=30, on_round=rounds.append)
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=0, explore_every=0)
+
+    def costing(record, policy, rest, pre_built=False):  # `record` drafted with `policy`, `rest` seconds outside the models
+        model = tuner.costs.model_seconds(policy, record.decision.num_accepted + 1)
+        return replace(record, policy=policy, pre_built=pre_built, seconds={"draft": model + rest, "tree": 0.0, "verify": 0.0, "publish": 0.0})
+
+    wide, chain = (next(r for r in rounds if r.policy == kind) for kind in (EXPLORE, EXPLORE_CHAIN))
+    tuner.observe(costing(wide, EXPLORE, 0.030), 1)
+    tuner.observe(costing(chain, EXPLORE_CHAIN, 0.016), 1)
+    slope = 0.014 / (EXPLORE.budget - EXPLORE_CHAIN.budget)
+    assert tuner.costs.overhead_per_row == pytest.approx(slope)
+    assert tuner.costs.overhead_per_round == pytest.approx(0.016 - slope * (EXPLORE_CHAIN.budget + 1))
+    chosen = tuner.choice(1).policy
+    rows_part = slope * (chosen.budget + 1)
+    for level in (0.004, 0.005, 0.006):  # below the exploring rounds' level of 0.01375
+        tuner.observe(costing(rounds[-1], chosen, level + rows_part), 1)
+    tuner.observe(costing(rounds[-1], chosen, 0.100, pre_built=True), 1)
+    assert tuner.costs.overhead_per_row == pytest.approx(slope)
+    assert tuner.costs.overhead_per_round == pytest.approx(0.005)
+
+
 def test_requests_stepping_together_explore_only_as_many_rounds_as_one(engine):
     """An exploration hands out `explore_rounds` exploring trees however many requests step together (they ask for
     their next tree before the others' rounds are in), the rest draft the chosen tree; a round drafted with the
