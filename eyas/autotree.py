@@ -468,10 +468,11 @@ class TreeTuner:
         (self.overheads if exploring else self.chosen_overheads).append((tree / policy.depth, policy.budget + 1, rest))
         lone = [*self.overheads, *self.chosen_overheads]
         self.costs.overhead_per_depth = sum(d for d, _, _ in lone) / len(lone)
-        per_round, per_row = fit_line([(rows, r) for _, rows, r in self.overheads]) if self.overheads else (0.0, 0.0)
+        if exploring:  # the line moves only with the exploring rounds
+            self.costs.overhead_per_round, self.costs.overhead_per_row = fit_line([(rows, r) for _, rows, r in self.overheads])
         if self.chosen_overheads:
-            per_round = max(0.0, statistics.median(r - per_row * rows for _, rows, r in self.chosen_overheads))
-        self.costs.overhead_per_round, self.costs.overhead_per_row = per_round, per_row
+            slope = self.costs.overhead_per_row
+            self.costs.overhead_per_round = max(0.0, statistics.median(r - slope * rows for _, rows, r in self.chosen_overheads))
 
     def _measure_lockstep(self, record: RoundRecord, concurrent: int) -> None:
         """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: a level of a
