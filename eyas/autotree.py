@@ -23,13 +23,16 @@ an exploration's rounds are counted as they are handed out, not as they finish: 
 ask for their next tree before the others' rounds are in, and would otherwise all explore at once.
 
 The costs measured at start are warm and alone; inside rounds the same forwards cost more (the other
-model's weights have left the cache, batch-mates' rows share the forward). Every batched forward the
-engine runs is fed back (`Costs.observe`), and each model's measured curve is scaled by the median
-ratio of what its recent forwards took to what the curve predicted for their rows.
+model's weights have left the cache, batch-mates' rows share the forward), and a start-up measurement
+taken under a passing load can be off at some row counts only. Every batched forward the engine runs
+is fed back (`Costs.observe`): each measured point of a model's curve is scaled by the median ratio of
+what recent forwards of about its rows took to what the curve predicted, once it has enough of them,
+and otherwise by that median over all the model's recent forwards.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -112,26 +115,38 @@ class Costs:
     overhead_per_row: float = 0.0
     lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
     observed: dict[str, deque] = field(default_factory=dict)  # "verify" / "draft" -> recent observed / measured ratios
-    scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of those ratios
+    observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (kind, measured point) -> ratios nearest it
+    point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
+    scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of all its ratios
+    scaled: dict[str, list[float]] = field(default_factory=dict)  # "verify" / "draft" -> its curve, each point scaled
 
     def verify_at(self, rows: float) -> float:
         """Seconds of one target forward over `rows` rows, as measured, scaled by what forwards took in rounds."""
-        return _interpolate(self.verify_rows, self.verify_seconds, rows) * self.scales.get("verify", 1.0)
+        return _interpolate(self.verify_rows, self.scaled.get("verify", self.verify_seconds), rows)
 
     def draft_at(self, rows: float) -> float:
         """Seconds of one drafter forward over `rows` rows, likewise."""
-        return _interpolate(self.draft_rows, self.draft_seconds, rows) * self.scales.get("draft", 1.0)
+        return _interpolate(self.draft_rows, self.scaled.get("draft", self.draft_seconds), rows)
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         """Fold in one forward a round ran: `kind` "verify" (the target) or "draft", over `rows` rows in `seconds`.
-        Forwards past the measured rows (a prefill) are left out."""
+        Its ratio to the measured curve counts for the whole curve and for the measured point nearest its rows: a
+        point with MIN_OBSERVED ratios of its own is scaled by their median, every other point by the median of all
+        (after MIN_OBSERVED forwards). Forwards past the measured rows (a prefill) are left out."""
         xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
         if not 0 < rows <= xs[-1]:
             return
+        ratio = seconds / _interpolate(xs, ys, rows)
         ratios = self.observed.setdefault(kind, deque(maxlen=OBSERVED_FORWARDS))
-        ratios.append(seconds / _interpolate(xs, ys, rows))
+        ratios.append(ratio)
+        nearest = min(range(len(xs)), key=lambda i: abs(math.log(xs[i] / rows)))
+        own = self.observed_at.setdefault((kind, nearest), deque(maxlen=OBSERVED_FORWARDS))
+        own.append(ratio)
+        if len(own) >= MIN_OBSERVED:
+            self.point_scales[kind, nearest] = statistics.median(own)
         if len(ratios) >= MIN_OBSERVED:
-            self.scales[kind] = statistics.median(ratios)
+            overall = self.scales[kind] = statistics.median(ratios)
+            self.scaled[kind] = [y * self.point_scales.get((kind, i), overall) for i, y in enumerate(ys)]
 
     def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Drafter steps (seed rows, then one step of width rows per further depth), each one forward over the rows

@@ -267,6 +267,23 @@ def test_costs_follow_what_forwards_took_in_rounds():
     assert costs.draft_seconds_for(policy, 1.0) == pytest.approx(3 * 0.002)  # each of its levels at twice 1 ms
 
 
+def test_a_point_measured_under_load_is_priced_by_its_own_forwards():
+    """A start-up measurement taken under a passing load (a worker measuring while Ray starts its processes) can be
+    off at some row counts only: a point with MIN_OBSERVED forwards of about its rows is scaled by their own median
+    ratio, the others by the median of all."""
+    costs = Costs([1, 65], [0.010, 0.020], [1, 2, 4], [0.008, 0.002, 0.0025])  # 1 row measured 4x too slow
+    for _ in range(MIN_OBSERVED - 1):
+        costs.observe("draft", 1, 0.002)
+    assert costs.draft_at(1) == pytest.approx(0.008)  # not enough forwards yet
+    costs.observe("draft", 1, 0.002)
+    for _ in range(MIN_OBSERVED):
+        costs.observe("draft", 3, 0.0045)  # nearest the 4-row point: 2x the curve at 3 rows (2.25 ms)
+    assert costs.draft_at(1) == pytest.approx(0.002)
+    assert costs.draft_at(4) == pytest.approx(0.0050)
+    assert costs.scales["draft"] == pytest.approx((0.25 + 2.0) / 2)  # the median of all, for the 2-row point
+    assert costs.draft_at(2) == pytest.approx(0.002 * costs.scales["draft"])
+
+
 def test_the_engine_feeds_its_forwards_to_tree_auto(engine):
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=2)
     gen = generate_auto(engine, tuner, max_new_tokens=20)
