@@ -163,10 +163,28 @@ class Costs:
     def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
         `concurrent` requests stepping together (their bookkeeping takes turns, and each drafting level costs the
-        lockstep what was measured at that concurrency)."""
+        lockstep what was measured at that concurrency, or what the measured ones imply: `lockstep_at`)."""
         overhead = policy.depth * self.overhead_per_depth + self.overhead_per_round + (policy.budget + 1) * self.overhead_per_row
-        lockstep = policy.depth * self.lockstep_per_level.get(concurrent, 0.0)
+        lockstep = policy.depth * self.lockstep_at(concurrent)
         return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead + lockstep
+
+    def lockstep_at(self, concurrent: int) -> float:
+        """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
+        else interpolated between the nearest measured ones (none extra for a lone request), and past the largest in
+        proportion to the requests. A batch's tail runs ever fewer requests as they finish, each count for a few
+        rounds only; priced at 0 there, they would draft as deep as a lone request."""
+        measured = self.lockstep_per_level
+        if concurrent <= 1 or not measured:
+            return 0.0
+        if concurrent in measured:
+            return measured[concurrent]
+        points = sorted([(1, 0.0), *measured.items()])
+        x0, y0 = max(point for point in points if point[0] < concurrent)
+        above = [point for point in points if point[0] > concurrent]
+        if not above:
+            return y0 * concurrent / x0
+        x1, y1 = min(above)
+        return y0 + (y1 - y0) * (concurrent - x0) / (x1 - x0)
 
 
 def _best_of(run, repeats: int) -> float:
@@ -494,7 +512,8 @@ class TreeTuner:
         lone request carries its own bookkeeping (already in the overheads), a level of n requests in lockstep the
         bookkeeping of all n plus their hand-offs, which grows faster than n times one request's. The extra, per
         concurrency, is the median over that concurrency's rounds less n times the lone one (0 before any lone
-        round); once a concurrency has enough rounds its choice is made again with it."""
+        round); once a concurrency has enough rounds its choice is made again with it, and the concurrencies not yet
+        measured, which are priced from the measured ones (`Costs.lockstep_at`), choose again too."""
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
@@ -507,8 +526,11 @@ class TreeTuner:
             return
         alone = statistics.median(self.levels[1]) if 1 in self.levels else 0.0
         self.costs.lockstep_per_level[concurrent] = max(0.0, statistics.median(samples) - concurrent * alone)
-        if len(samples) == LOCKSTEP_ROUNDS and not self.exploring and self._any_explored():
-            self.choose(concurrent)
+        if len(samples) == LOCKSTEP_ROUNDS:  # a new measured concurrency: the others priced by it choose again
+            for other in [c for c in self.choices if c > 1 and c not in self.costs.lockstep_per_level]:
+                del self.choices[other]
+            if not self.exploring and self._any_explored():
+                self.choose(concurrent)
 
     def rounds_for(self, policy: TreePolicy) -> Explored:
         """Explored rounds that measure `policy`: the chain rounds for a chain, the narrow-tree rounds (which verify

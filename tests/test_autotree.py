@@ -240,7 +240,7 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     tuner.levels[1] = deque([0.001] * LOCKSTEP_ROUNDS)
     tuner.choices.clear()
     alone, deep = tuner.choice(1).policy, tuner.choice(8).policy
-    assert deep.depth > 1
+    assert deep.depth > 1 and tuner.choice(4).policy == deep  # nothing measured together yet
     last = rounds[-1]
     model = tuner.costs.draft_seconds_for(deep, last.decision.num_accepted + 1, 8)
     slow = replace(last, policy=deep, seconds={**last.seconds, "draft": model + deep.depth * 0.050})
@@ -250,6 +250,10 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     tuner.observe(slow, 8)
     assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050 - 8 * 0.001)
     assert tuner.choice(8).policy.depth < deep.depth and tuner.choice(1).policy == alone
+    # a batch's tail (4 requests left) is priced from the concurrencies measured, not as free, and chooses again
+    assert tuner.costs.lockstep_at(4) == pytest.approx((0.050 - 8 * 0.001) * 3 / 7)
+    assert tuner.costs.lockstep_at(16) == pytest.approx((0.050 - 8 * 0.001) * 2)
+    assert tuner.choice(4).policy.depth < deep.depth
 
 
 def test_costs_follow_what_forwards_took_in_rounds():
