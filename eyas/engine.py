@@ -76,10 +76,13 @@ class Engine:
         manifest: Manifest,
         tree: TreePolicy | dict | str | None = "auto",
         draft_ahead: int = 0,
+        graphs: bool | None = None,
     ):
-        """`draft_ahead`: trees drafted ahead, during each verification, for its likeliest outcomes (0: off)."""
+        """`draft_ahead`: trees drafted ahead, during each verification, for its likeliest outcomes (0: off);
+        `graphs`: the drafter's passes as CUDA graphs (None: on CUDA; see DraftModel)."""
         self.target = target
         self.draft_ahead = draft_ahead
+        self.graphs = graphs
         self.drafter = drafter
         self.manifest = manifest
         self.tree = tree_setting(tree)
@@ -94,7 +97,7 @@ class Engine:
     @drafter.setter
     def drafter(self, drafter: Drafter) -> None:
         """Serve with another drafter (same target): its draft KV pool is sized like the target's."""
-        self.draft = DraftModel(drafter, self.target.pool.slots, self.target.max_seq_len, self.draft_ahead)
+        self.draft = DraftModel(drafter, self.target.pool.slots, self.target.max_seq_len, self.draft_ahead, graphs=self.graphs)
 
     @property
     def tuner(self) -> TreeTuner:
@@ -117,19 +120,23 @@ class Engine:
         kv_slots: int = DEFAULT_KV_SLOTS,
         max_seq_len: int | None = None,
         draft_ahead: int = 0,
+        graphs: bool | None = None,
     ) -> "Engine":
         """Load a target directory and a drafter directory onto `device` (cpu, cuda, cuda:N), checking the manifest.
 
         dtype None: float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16 (see resolve_dtype). The KV pool holds `kv_slots` requests of up to
-        `max_seq_len` tokens (default: the target's maximum positions).
+        `max_seq_len` tokens (default: the target's maximum positions). `graphs`: run the forwards of rounds as CUDA
+        graphs (None: on CUDA, where the target is dense; runtime/graphs.py).
         """
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device, stored_dtype(target))
         plan = plan_drafter(drafter, target_num_layers(target), feature_layers)
-        target_model = TargetModel.from_pretrained(target, plan.address, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len)
+        target_model = TargetModel.from_pretrained(
+            target, plan.address, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len, graphs=graphs
+        )
         manifest = plan.manifest(target_model.fingerprint, allow_manifest_mismatch)
         drafter_model, _ = load_drafter(drafter, target_model.embed, target_model.lm_head)
-        return cls(target_model, drafter_model.to(device=device, dtype=dtype), manifest, tree, draft_ahead)
+        return cls(target_model, drafter_model.to(device=device, dtype=dtype), manifest, tree, draft_ahead, graphs)
 
     def sessions(self, request: RequestState, wait: bool = False) -> tuple[TargetSession, DraftSession]:
         """A target and a draft session for `request`, each holding a KV slot (waiting for one when `wait`)."""

@@ -20,8 +20,9 @@ from .drafters import Drafter
 from .drafters.layers import MLP, Attention, Rope, frozen_product
 from .errors import VersionError
 from .rounds import Proposal
-from .runtime.batch import RowsCall, merge_calls, pack, split_rows
+from .runtime.batch import Packed, RowsCall, merge_calls, pack, split_rows
 from .runtime.device import attention_dtype
+from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, attention_block, mlp_block
@@ -82,10 +83,18 @@ class DraftModel:
     """A drafter on one device with the KV pool its sessions share; `run` expands rows of many sessions at once."""
 
     def __init__(
-        self, drafter: Drafter, kv_slots: int, max_seq_len: int, ahead_trees: int = 0, ahead_runner: AheadRunner | None = None
+        self,
+        drafter: Drafter,
+        kv_slots: int,
+        max_seq_len: int,
+        ahead_trees: int = 0,
+        ahead_runner: AheadRunner | None = None,
+        graphs: bool | None = None,
     ):
         """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified;
-        `ahead_runner` runs that drafting beside the round (default: alone on a background thread)."""
+        `ahead_runner` runs that drafting beside the round (default: alone on a background thread); `graphs`: run
+        the drafter's passes as CUDA graphs (runtime/graphs.py; None: where it is on CUDA; True on a CPU runs the same
+        fixed-shape batches eagerly)."""
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
         # inference only from here: every product, the target's head included, on prepacked weights
@@ -101,6 +110,9 @@ class DraftModel:
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
         self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to the row buckets of the oneDNN products
+        drafter.rotary.reserve(slot_len, drafter.dtype, drafter.device)  # no table growth (a host sync) mid-forward
+        on_cuda = drafter.device.type == "cuda"
+        self.graphs = Graphs(self._step, on_cuda) if (on_cuda if graphs is None else graphs) else None
 
     def rows(self, call: RowsCall) -> int:
         """Rows `call` adds to a batch (its share of the row budget)."""
@@ -109,12 +121,17 @@ class DraftModel:
     def _run_in_background(self, steps: Steps[None]) -> Future:
         return self._background.submit(run_alone, steps)
 
+    def _step(self, packed: Packed) -> list[torch.Tensor]:
+        """The drafter pass over a packed batch -> [next states [B, N, d]] (what a graph captures)."""
+        return [self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)]
+
     @torch.no_grad()
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
         """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
         their rows' top-k candidates (one LM-head pass over the rows of all of them)."""
-        packed = pack(calls, self.pool, self.bucketed)
-        out = self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)  # [B, N, d]
+        shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
+        packed = pack(calls, self.pool, self.bucketed, shape)
+        (out,) = self.graphs.run(packed) if shape else self._step(packed)  # [B, N, d]
         states = split_rows(packed.rows(out), packed.lengths)
         results = [DraftRows(s) for s in states]
         asking = [i for i, c in enumerate(calls) if c.top_k]

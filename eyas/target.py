@@ -21,11 +21,12 @@ from transformers import AutoTokenizer, GenerationConfig
 from .errors import VersionError
 from .manifest import FeatureAddress, TargetFingerprint, fingerprint_target
 from .rounds import Verification
-from .runtime.batch import RowsCall, pack, split_rows
+from .runtime.batch import Packed, RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
+from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVPool
 from .runtime.linear import packs
-from .runtime.model import CausalLM
+from .runtime.model import CausalLM, ForwardOut
 from .runtime.shard import Lockstep, Shard
 from .sampling import SamplingParams
 from .steps import Forward, Steps, run_alone
@@ -63,7 +64,11 @@ class TargetModel:
         generation_config: GenerationConfig | None = None,
         kv_slots: int = DEFAULT_KV_SLOTS,
         max_seq_len: int | None = None,
+        graphs: bool | None = None,
     ):
+        """`graphs`: run the forwards of rounds as CUDA graphs (runtime/graphs.py); None: where the model is on CUDA,
+        whole and dense (a group's collectives and MoE routing are not captured); True on a CPU runs the same
+        fixed-shape batches eagerly."""
         self.runtime = model
         self.config = model.config
         self.num_layers = model.num_layers
@@ -82,6 +87,11 @@ class TargetModel:
         self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
         self.bucketed = packs(model.dtype, model.device)  # batches padded to the row buckets of the oneDNN products
         self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
+        capturable = model.shard.size == 1 and not model.experts
+        if graphs and not capturable:
+            raise ValueError("graphs: a tensor-parallel rank or an MoE target runs its forwards eagerly")
+        on_cuda = model.device.type == "cuda"
+        self.graphs = Graphs(self._forward, on_cuda) if (capturable and on_cuda if graphs is None else graphs) else None
 
     @property
     def embed(self) -> torch.nn.Embedding:
@@ -111,6 +121,7 @@ class TargetModel:
         kv_slots: int = DEFAULT_KV_SLOTS,
         max_seq_len: int | None = None,
         shard: Shard = Shard(),
+        graphs: bool | None = None,
     ) -> "TargetModel":
         """Load a target checkpoint directory (with its tokenizer when present) and fingerprint it; a rank of a
         tensor-parallel group loads its `shard`."""
@@ -130,6 +141,7 @@ class TargetModel:
             generation_config=generation,
             kv_slots=kv_slots,
             max_seq_len=max_seq_len,
+            graphs=graphs,
         )
 
     def _check_address(self, address: FeatureAddress) -> FeatureAddress:
@@ -177,11 +189,22 @@ class TargetModel:
         """Rank 0 of a group: release the other ranks from `follow`."""
         self.lockstep.stop()
 
+    def _forward(self, packed: Packed) -> list[torch.Tensor]:
+        """The layers over a packed batch -> hidden [B, N, d] and the taps, each [B, N, d] (what a graph captures)."""
+        out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
+        return [out.hidden, *out.taps]
+
     @torch.no_grad()
     def run_local(self, calls: list[TargetCall]) -> list[TargetOutput]:
         """`run` on this rank's shard."""
-        packed = pack([c.rows for c in calls], self.pool, self.bucketed)
-        out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
+        rows_calls = [c.rows for c in calls]
+        shape = self.graphs.shape(rows_calls, self.pool.slot_len) if self.graphs else None
+        packed = pack(rows_calls, self.pool, self.bucketed, shape)
+        if shape is None:
+            out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
+        else:
+            hidden, *taps = self.graphs.run(packed)
+            out = ForwardOut(hidden, taps, [])  # graphs run dense targets only: no experts routed
         hidden = packed.rows(out.hidden)  # [R, d]
         features = hidden if not self.taps else torch.cat([packed.rows(t) for t in out.taps], dim=-1)  # [R, F]
         logit_rows = [n if c.with_logits else 0 for c, n in zip(calls, packed.lengths)]

@@ -1,5 +1,6 @@
 """The benchmark harness: every system runs the same prompts, interleaved, into one well-formed JSON record."""
 
+import argparse
 import json
 
 from transformers import AutoModelForCausalLM
@@ -8,8 +9,9 @@ from tests.helpers.tiny import make_drafter, make_target
 
 from eyas import Engine
 from eyas.client.bench.harness import Suite, write_charts
+from eyas.client.bench.forward import run as forward_bench
 from eyas.client.bench.peers import DEFAULT_VLLM_K, K_SCAN_FILE, choose_vllm_k, run_bench
-from eyas.client.bench.runtime import batching, context_scaling, verify_phases
+from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, verify_phases
 
 
 def test_bench_record_has_every_system_and_ratio(tmp_path, capsys):
@@ -61,7 +63,19 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6, trees=("1,2,2",))
     assert batch["identical_outputs"] and batch["requests"] == 3 and batch["batch_tokens_per_s"] > 0
     assert batch["batch_tree_1/2/2"]["identical_outputs"] and batch["batch_tree_1/2/2"]["batch_tokens_per_s"] > 0
+    exact = greedy_vs_hf(engine, hf, [[5, 6, 7], [8, 9]], max_new_tokens=6)
+    assert exact == {"prompts": 2, "identical": 2, "tokens_before_first_difference": 1.0}
     assert engine.target.pool.free_slots == engine.target.pool.slots
+
+
+def test_forward_bench_times_a_plain_step_and_tree_rows_with_graphs_off_and_on(tmp_path):
+    args = argparse.Namespace(size="tiny", device="cpu", dtype="auto", context=24, rows=(1, 5), repeats=2)
+    record = forward_bench(args)
+    assert record["config"]["parameters"] > 0 and record["hf_plain_step_ms"] > 0
+    for name in ("off", "on"):
+        assert [e["rows"] for e in record["graphs"][name]] == [1, 5]
+        assert all(e["ms"] > 0 and e["vs_hf"]["argmax_agree"] == 1.0 and e["vs_hf"]["max_rel_diff"] < 1e-5 for e in record["graphs"][name])
+    assert all(c["max_rel_diff"] < 1e-5 for c in record["graphs_on_vs_off"].values())
 
 
 def test_vllm_k_is_the_one_given_else_the_last_scan_else_the_default(tmp_path):

@@ -201,3 +201,39 @@ def test_the_pool_refuses_what_does_not_fit_and_returns_every_slot(tmp_path):
     first.close()
     second.close()
     assert target.pool.free_slots == 2
+
+
+def test_fixed_shape_batches_a_cuda_graph_replays_equal_the_eager_batches(tmp_path):
+    """The batches a CUDA graph replays (padded to a bucket of entries, rows and keys; index tensors for where rows
+    go and which slots they read), run eagerly here: every real row's logits and features, and the KV of every slot,
+    as the eager batch gives them, over several rounds of verification and commits."""
+    hf, eager = build(tmp_path, "qwen3")
+    fixed = TargetModel.from_pretrained(eager.path, FeatureAddress.eagle3(4), graphs=True)
+    prompts = [PROMPT[:-1], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [44]]
+    runs = {}
+    for name, target in (("eager", eager), ("fixed", fixed)):
+        sessions = [TargetSession(target) for _ in prompts]
+        outs = []
+        for session, prompt in zip(sessions, prompts):
+            session.prefill(0, prompt)
+        for version in range(3):
+            trees = [random_tree(7 + i + version, s.committed, seed=i + 3 * version) for i, s in enumerate(sessions)]
+            calls = [target.call(s.slot, s.committed, t.tokens, t.positions, t.mask) for s, t in zip(sessions, trees)]
+            outs += target.run(calls[::-1])[::-1]  # slots out of order
+            for session, tree in zip(sessions, trees):
+                session.verify(tree, version, SamplingParams())
+                session.commit(version, tuple(tree.path_to(tree.num_rows - 1)))
+        committed = [s.committed for s in sessions]
+        runs[name] = outs, [target.pool.kv[:, :, s.slot, :, :n].clone() for s, n in zip(sessions, committed)]
+    assert fixed.graphs.captured and eager.graphs is None
+    for one, other in zip(runs["eager"][0], runs["fixed"][0]):
+        assert torch.allclose(one.logits, other.logits, atol=ATOL) and torch.allclose(one.features, other.features, atol=ATOL)
+    for one, other in zip(runs["eager"][1], runs["fixed"][1]):
+        assert torch.allclose(one, other, atol=ATOL)
+    out = runs["fixed"][0][0]
+    assert torch.allclose(out.logits[0], reference(hf, prompts[0] + [7])[0][-1], atol=ATOL)
+
+
+def test_graphs_are_refused_for_a_target_whose_forward_is_not_captured(tmp_path):
+    with pytest.raises(ValueError, match="graphs"):
+        TargetModel.from_pretrained(make_target(tmp_path / "t", "mixtral"), graphs=True)

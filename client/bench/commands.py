@@ -1,4 +1,4 @@
-"""`eyas bench` and its subcommands: peers, tree, service, runtime, trace; each writes one JSON record."""
+"""`eyas bench` and its subcommands: peers, tree, service, runtime, forward, trace; each writes one JSON record."""
 
 from __future__ import annotations
 
@@ -78,8 +78,25 @@ def cmd_runtime(args: argparse.Namespace) -> int:
     return run_and_write("runtime", args)
 
 
+def cmd_forward(args: argparse.Namespace) -> int:
+    """One forward's cost on a random-weight Llama (~1B): a plain HF step against eyas's 1-row and tree forwards,
+    CUDA graphs off and on."""
+    return run_and_write("forward", args)
+
+
+def row_counts(text: str) -> tuple[int, ...]:
+    """`1,64` -> (1, 64); each a positive integer."""
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be positive, got {text!r}")
+    return values
+
+
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `eyas bench peers|tree|service|runtime|trace` on the top-level parser's subcommands."""
+    """Register `eyas bench peers|tree|service|runtime|forward|trace` on the top-level parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -133,6 +150,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     runtime.add_argument("--tree", default="auto", help='"auto" (default) or a fixed tree as width,depth,budget')
     runtime.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
     runtime.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    runtime.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the forwards of rounds (auto: on CUDA)")
     runtime.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     runtime.add_argument("--short-context", type=int, default=100)
     runtime.add_argument("--long-context", type=int, default=1700)
@@ -144,6 +162,16 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     runtime.add_argument("--draft-ahead", type=int, default=2, help="trees drafted ahead in the hit-rate measurement (0: skip it)")
     runtime.add_argument("--json", help="where the JSON record goes (default: stdout)")
     runtime.set_defaults(func=cmd_runtime)
+
+    forward = kinds.add_parser("forward", help="one forward on a random ~1B Llama: HF step, eyas rows, CUDA graphs", description=cmd_forward.__doc__)
+    forward.add_argument("--size", default="1b", choices=("1b", "tiny"), help="model shape (tiny: for a quick check)")
+    forward.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    forward.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    forward.add_argument("--context", type=int, default=512, help="committed tokens the forwards run on")
+    forward.add_argument("--rows", type=row_counts, default=(1, 64), help="row counts of the eyas forwards (default 1,64)")
+    forward.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    forward.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    forward.set_defaults(func=cmd_forward)
 
     trace = kinds.add_parser("trace", help="what tracing costs per round", description=cmd_trace.__doc__)
     trace.add_argument("--target", help="target directory (default: the bundled demo target)")

@@ -5,7 +5,8 @@ Three measurements, each against a peer timed in the same run on the same model 
   layers, the LM head and the acceptance decision, against one plain HF step (KV cache, one token);
 - time per round at a short and a long context against the HF step at the same two contexts
   (a commit moves only the accepted rows, so a round should grow no faster than a plain step);
-- `Engine.generate_batch` of several requests against the same requests one at a time.
+- `Engine.generate_batch` of several requests against the same requests one at a time;
+and whether greedy outputs equal Hugging Face's own greedy decoding, token for token.
 Prompts are held-out standard-library text (never trained on by the demo models). With `tree: auto`
 the tuner's first exploration runs before any phase, untimed, on a held-out prompt of its own.
 """
@@ -32,13 +33,21 @@ from eyas.verify import decide
 from .harness import demo_suite
 
 
+def synchronize() -> None:
+    """Wait for queued CUDA work, so that a wall clock read after it counts that work (a no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(run: Callable[[], object], repeats: int) -> float:
-    """Median wall milliseconds of `run` over `repeats` calls, after one warm-up call."""
+    """Median wall milliseconds of `run` over `repeats` calls (its device work included), after one warm-up call."""
     run()
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         run()
+        synchronize()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -69,12 +78,36 @@ class PlainStep:
         self.model = model
         self.cache = DynamicCache()
         with torch.no_grad():
-            model(torch.tensor([context]), past_key_values=self.cache, use_cache=True)
+            model(torch.tensor([context], device=model.device), past_key_values=self.cache, use_cache=True)
 
     @torch.no_grad()
     def __call__(self) -> None:
-        self.model(torch.tensor([[7]]), past_key_values=self.cache, use_cache=True)
+        self.model(torch.tensor([[7]], device=self.model.device), past_key_values=self.cache, use_cache=True)
         self.cache.crop(-1)
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face's own greedy decoding of `n` tokens: a KV cache, the argmax at every step, no stop."""
+    cache = DynamicCache()
+    ids = torch.tensor([prompt], device=model.device)
+    tokens = []
+    for _ in range(n):
+        ids = model(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax().view(1, 1)
+        tokens.append(int(ids))
+    return tokens
+
+
+def greedy_vs_hf(engine: Engine, hf: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """How many prompts the engine decodes to exactly Hugging Face's greedy tokens, and the share of tokens before
+    the first difference (in half precision a tree forward rounds differently from a plain step: near-ties may part)."""
+    same, agreed = 0, 0
+    for prompt in prompts:
+        mine = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False).token_ids
+        theirs = hf_greedy(hf, prompt, max_new_tokens)
+        same += mine == theirs
+        agreed += next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), max_new_tokens)
+    return {"prompts": len(prompts), "identical": same, "tokens_before_first_difference": agreed / (len(prompts) * max_new_tokens)}
 
 
 def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_list: tuple[int, ...], repeats: int) -> dict:
@@ -208,7 +241,8 @@ def run(args) -> dict:
     target = Path(args.target) if args.target else suite.target
     drafter = Path(args.drafter) if args.drafter else suite.drafters["eagle3"]
     tree = "auto" if args.tree == "auto" else dict(zip(("width", "depth", "budget"), map(int, args.tree.split(","))))
-    engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=args.dtype, device=args.device)
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
+    engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=args.dtype, device=args.device, graphs=graphs)
     dtype = engine.target.runtime.dtype
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(engine.target.runtime.device).eval()
     context = heldout_ids(engine, args.short_context, 1)[0]
@@ -216,7 +250,7 @@ def run(args) -> dict:
     record = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads()},
         "config": {"target": str(target), "drafter": str(drafter), "dtype": str(dtype).removeprefix("torch."),
-                   "device": str(engine.target.runtime.device), "tree": args.tree},
+                   "device": str(engine.target.runtime.device), "tree": args.tree, "graphs": engine.target.graphs is not None},
         "verify": verify_phases(engine, hf, context, (1, 9, 33), args.repeats),
         "context_scaling": context_scaling(
             engine,
@@ -227,6 +261,7 @@ def run(args) -> dict:
             args.repeats,
         ),
         "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees)),
+        "greedy_vs_hf": greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens),
     }
     if args.draft_ahead:
         record["draft_ahead"] = draft_ahead(target, drafter, suite.prompts[: args.batch], args.draft_ahead, args.max_new_tokens, args.dtype)

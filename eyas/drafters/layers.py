@@ -103,16 +103,24 @@ def rotary_tables(rope: LlamaRotaryEmbedding, length: int) -> tuple[torch.Tensor
 
 class Rotary(nn.Module):
     """cos and signed sin for explicit positions, looked up in tables computed once (and regrown when a position
-    passes them)."""
+    passes them, unless reserved)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.inner = LlamaRotaryEmbedding(config)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._reserved: tuple[torch.dtype, torch.device] | None = None
+
+    def reserve(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute the tables for positions [0, length) now, and never regrow them (serving: positions are bounded by
+        the KV slot, and a regrowth check reads a position back to the host, which a CUDA graph cannot)."""
+        self._tables[dtype] = tuple(t.to(device=device, dtype=dtype) for t in rotary_tables(self.inner, length))
+        self._reserved = (dtype, torch.device(device))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         cos, sin = self._tables.get(dtype, (None, None))
-        if cos is None or cos.device != positions.device or int(positions.max()) >= cos.shape[0]:
+        reserved = self._reserved == (dtype, positions.device)
+        if not reserved and (cos is None or cos.device != positions.device or int(positions.max()) >= cos.shape[0]):
             length = max(1024, 2 * int(positions.max()) + 1)
             cos, sin = (t.to(device=positions.device, dtype=dtype) for t in rotary_tables(self.inner, length))
             self._tables[dtype] = (cos, sin)

@@ -73,6 +73,12 @@ class Packed:
     entries: list[int]  # the batch entry of each call
     kv: SlotBatch
 
+    def inputs(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads (a CUDA graph copies them into its own, runtime/graphs.py)."""
+        w = self.kv.writes
+        held = [self.tokens, self.positions, self.mask, self.states, w.src_b, w.src_n, w.dst_slot, w.dst_pos, w.read_slots]
+        return [t for t in held if t is not None]
+
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, ...] -> [R, ...]: the real rows of every call, call after call."""
         if len(self.lengths) == 1:
@@ -80,19 +86,22 @@ class Packed:
         return torch.cat([x[b, :n] for b, n in zip(self.entries, self.lengths)])
 
 
-def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False) -> Packed:
+def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tuple[int, int, int] | None = None) -> Packed:
     """Lay `calls` out as one padded batch over `pool`, its entries in slot order (so that consecutive slots read as
     one view of the pool, runtime/kv.py); `bucketed`: pad each call's rows (by at most 25%) so that the batch's rows
-    are a bucket of `Linear`'s, whose products then pad nothing themselves (runtime/linear.py)."""
+    are a bucket of `Linear`'s, whose products then pad nothing themselves (runtime/linear.py); `shape` (entries,
+    rows, keys): pad to exactly that, for a forward captured as a CUDA graph (runtime/graphs.py)."""
     lengths = [int(c.tokens.shape[0]) for c in calls]
     order = sorted(range(len(calls)), key=lambda i: calls[i].slot)  # batch entry -> call
     entries = sorted(range(len(calls)), key=order.__getitem__)  # call -> batch entry
-    kv = pool.batch([calls[i].slot for i in order], [calls[i].start for i in order], [lengths[i] for i in order])
+    kv = SlotBatch(pool, [calls[i].slot for i in order], [calls[i].start for i in order], [lengths[i] for i in order], shape)
     device = pool.device
     b, n = len(calls), max(lengths)
-    if bucketed:
+    if shape is not None:
+        b, n = shape[0], shape[1]
+    elif bucketed:
         n = bucketed_rows(b, n)
-    if b == 1 and n == lengths[0]:
+    if b == 1 and n == lengths[0] and shape is None:
         call = calls[0]
         states = None if call.states is None else call.states[None].to(device)
         return Packed(call.tokens[None].to(device), call.positions[None].to(device), call.visible[None, None].to(device), states, lengths, entries, kv)

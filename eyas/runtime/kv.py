@@ -93,9 +93,6 @@ class KVPool:
         view = self.kv[:, :, slot]  # [L, 2, kv_heads, T, hd]
         view[:, :, :, dst] = view[:, :, :, src]
 
-    def batch(self, slots: list[int], starts: list[int], lengths: list[int]) -> "SlotBatch":
-        return SlotBatch(self, slots, starts, lengths)
-
 
 # No `from __future__ import annotations` in this file: TorchScript reads `Writes`' field types at run time.
 class Writes(NamedTuple):
@@ -106,7 +103,8 @@ class Writes(NamedTuple):
     [B, N] batch go to (`dst_slot`, `dst_pos`). Either way the batch's entries are read as `runs` (first slot, count,
     keys) of consecutive slots in batch order, each run positions [0, keys) of its slots (its longest entry's end,
     at most `key_len`, the batch's): a run is a view of the pool, so attention reads the KV in place and never
-    gathers a copy of it.
+    gathers a copy of it. A batch of fixed shape (a CUDA graph's, runtime/graphs.py) has no runs: its entries'
+    slots are `read_slots`, gathered up to `key_len`, so that where the rows go and what they read are tensors.
     """
 
     slot: int
@@ -118,6 +116,7 @@ class Writes(NamedTuple):
     src_n: Optional[torch.Tensor]  # [R] long
     dst_slot: Optional[torch.Tensor]  # [R] long
     dst_pos: Optional[torch.Tensor]  # [R] long
+    read_slots: Optional[torch.Tensor]  # [B] long: the slot each entry reads, for a batch of fixed shape
 
 
 def slot_runs(slots: List[int], ends: List[int]) -> List[Tuple[int, int, int]]:
@@ -150,6 +149,11 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
     """q [B, H, N, hd] over kv [2, S, kv_heads, T, hd] (one layer, rows written), bias [B, 1, N, key_len] ->
     [B, H, N, hd]: one attention per run of consecutive slots, over a view of the pool up to the run's keys (the
     bias hides the rest)."""
+    read_slots = writes.read_slots
+    if read_slots is not None:  # a fixed shape: every entry's slot gathered, positions [0, key_len)
+        keys = kv[0, :, :, : writes.key_len].index_select(0, read_slots)  # [B, kv_heads, key_len, hd]
+        values = kv[1, :, :, : writes.key_len].index_select(0, read_slots)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=gqa)
     outs: List[torch.Tensor] = []
     b = 0
     for first, count, end in writes.runs:
@@ -162,26 +166,42 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
 @dataclass
 class SlotBatch:
     """The KV of one batched forward: entry b writes rows [starts[b], starts[b] + lengths[b]) of slot slots[b]
-    and reads that slot's positions [0, key_len)."""
+    and reads that slot's positions [0, key_len).
+
+    `shape` (entries, rows, keys), for a forward captured as a CUDA graph: the batch is padded to that many entries
+    of that many rows reading `keys` positions, and every index is a tensor of that fixed size (a pad row repeats
+    the first real row's write, the same value to the same place; a pad entry reads the first entry's slot)."""
 
     pool: KVPool
     slots: list[int]
     starts: list[int]
     lengths: list[int]
+    shape: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         ends = [s + n for s, n in zip(self.starts, self.lengths)]
         self.key_len = max(ends)
         self.pool.check_fits(self.key_len)
         device = self.pool.device
-        runs = slot_runs(self.slots, ends)
-        if len(self.slots) == 1:
-            self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, runs, None, None, None, None)
+        if len(self.slots) == 1 and self.shape is None:
+            self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, slot_runs(self.slots, ends), None, None, None, None, None)
             return
         # per real row: (batch entry, row in the entry, slot, slot position), built as one tensor, one copy to the device
         rows = [(b, i, slot, start + i) for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)) for i in range(n)]
-        src_b, src_n, dst_slot, dst_pos = torch.tensor(rows, dtype=torch.long).t().contiguous().to(device)  # 4 x [R]
-        self.writes = Writes(0, 0, 0, self.key_len, runs, src_b, src_n, dst_slot, dst_pos)
+        if self.shape is None:
+            src_b, src_n, dst_slot, dst_pos = torch.tensor(rows, dtype=torch.long).t().contiguous().to(device)  # 4 x [R]
+            self.writes = Writes(0, 0, 0, self.key_len, slot_runs(self.slots, ends), src_b, src_n, dst_slot, dst_pos, None)
+            return
+        entries, per_entry, keys = self.shape
+        if len(self.slots) > entries or max(self.lengths) > per_entry or not self.key_len <= keys <= self.pool.slot_len:
+            raise ValueError(f"shape: {self.shape} does not hold {len(self.slots)} entries of up to {max(self.lengths)} rows reading {self.key_len} positions")
+        self.key_len = keys
+        rows += [rows[0]] * (entries * per_entry - len(rows))
+        read = self.slots + [self.slots[0]] * (entries - len(self.slots))
+        # one tensor, one copy to the device: a fifth column carries entry i's slot in row i
+        index = torch.tensor([r + (read[i] if i < entries else 0,) for i, r in enumerate(rows)], dtype=torch.long)
+        src_b, src_n, dst_slot, dst_pos, read_slots = index.t().contiguous().to(device)  # 5 x [entries x rows]
+        self.writes = Writes(0, 0, 0, keys, [], src_b, src_n, dst_slot, dst_pos, read_slots[:entries])
 
     @property
     def dtype(self) -> torch.dtype:

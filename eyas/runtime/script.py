@@ -15,6 +15,11 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
+# TorchScript's CUDA fuser generates kernels specialised to the shapes it has seen, and the shapes of the serving
+# path change from one forward to the next (rows, positions read, batch-mates): a forward would keep meeting new
+# specialisations. On CUDA eyas replays graphs instead (runtime/graphs.py). On a CPU the fuser never runs.
+torch._C._jit_set_texpr_fuser_enabled(False)
+
 
 def script(fn: F) -> F:
     """`torch.jit.script(fn)`, without torch's deprecation warning for it."""
