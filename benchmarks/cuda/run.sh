@@ -21,9 +21,8 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND with --json OUT_DIR/NAME.j
 }
 
 runtime="eyas bench runtime --device cuda --draft-ahead 0 --repeats 10 --context-prompts 2 --batch-trees 1,4,4"
-step forward-1b 150 eyas bench forward --device cuda
+step forward-1b 90 eyas bench forward --device cuda --rows 1,9,33,64
 step runtime-bf16-graphs 120 $runtime --graphs on
-step runtime-bf16-eager 120 $runtime --graphs off
 step runtime-f32-graphs 100 $runtime --dtype float32 --graphs on
-step runtime-f32-eager 100 $runtime --dtype float32 --graphs off
+step forward-1b-f32 90 eyas bench forward --device cuda --dtype float32 --rows 1,9,33,64
 grep -E "Error|error:" "$log" | tail -5

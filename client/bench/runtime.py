@@ -6,7 +6,8 @@ Three measurements, each against a peer timed in the same run on the same model 
 - time per round at a short and a long context against the HF step at the same two contexts
   (a commit moves only the accepted rows, so a round should grow no faster than a plain step);
 - `Engine.generate_batch` of several requests against the same requests one at a time;
-and whether greedy outputs equal Hugging Face's own greedy decoding, token for token.
+and whether greedy outputs equal Hugging Face's own greedy decoding, token for token. With CUDA graphs, each timed
+workload first runs once untimed, so that capturing its shapes' graphs (once per shape) is not timed.
 Prompts are held-out standard-library text (never trained on by the demo models). With `tree: auto`
 the tuner's first exploration runs before any phase, untimed, on a held-out prompt of its own.
 """
@@ -166,6 +167,8 @@ def context_scaling(
     tree = engine.tuner.current if engine.tree == "auto" else None
     result = {"tree": None if tree is None else vars(tree)}
     for name, contexts in (("short", short), ("long", long)):
+        if engine.target.graphs is not None:
+            round_ms(engine, contexts[:1], max_new_tokens, tree)  # untimed: captures this context's graph shapes
         ms, tokens = round_ms(engine, contexts, max_new_tokens, tree)
         result[name] = {
             "context": len(contexts[0]),
@@ -187,6 +190,8 @@ def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, tree
     alone_rate = sum(len(g.token_ids) for g in alone) / (time.perf_counter() - start)
 
     def batch(tree: dict | None) -> tuple[float, bool]:
+        if engine.target.graphs is not None:  # untimed: captures the batch's graph shapes
+            engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
         start = time.perf_counter()
         together = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
         rate = sum(len(g.token_ids) for g in together) / (time.perf_counter() - start)
@@ -263,6 +268,9 @@ def run(args) -> dict:
         "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees)),
         "greedy_vs_hf": greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens),
     }
+    for name, graphs in (("target", engine.target.graphs), ("drafter", engine.draft.graphs)):
+        if graphs is not None:
+            record.setdefault("graphs", {})[name] = {"captured": len(graphs.captured), "capture_s": graphs.seconds}
     if args.draft_ahead:
         record["draft_ahead"] = draft_ahead(target, drafter, suite.prompts[: args.batch], args.draft_ahead, args.max_new_tokens, args.dtype)
     return record

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,7 +25,8 @@ from .batch import Packed, RowsCall
 
 MAX_ENTRIES = 64  # calls one captured batch holds (entries pad to a power of two)
 MAX_ROWS = 128  # rows of one call a captured batch holds (rows pad to a power of two)
-KEY_BUCKET = 256  # positions read pad to a multiple of this (at most the slot length)
+MIN_KEYS = 256  # positions read pad to a power of two from this (at most the slot length): a few graphs per
+# context length, each reading at most twice the keys it needs (cheap on a GPU next to launching kernels one by one)
 WARMUPS = 3  # eager runs before a capture, on a side stream, as CUDA graph capture asks
 
 
@@ -39,7 +41,7 @@ def bucket_shape(calls: list[RowsCall], slot_len: int) -> tuple[int, int, int] |
     if entries > MAX_ENTRIES or rows > MAX_ROWS:
         return None
     keys = max(c.start + int(c.tokens.shape[0]) for c in calls)
-    return power_of_two(entries), power_of_two(rows), min(-(-keys // KEY_BUCKET) * KEY_BUCKET, slot_len)
+    return power_of_two(entries), power_of_two(rows), min(max(power_of_two(keys), MIN_KEYS), slot_len)
 
 
 class Captured:
@@ -57,12 +59,14 @@ class Graphs:
 
     `forward(packed)` returns the tensors a runner reads; `run` returns copies of them, since the next replay of any
     of the model's graphs may reuse their memory (all share one memory pool). One thread at a time replays.
+    `seconds` is the time spent capturing (once per shape, in the first batch of that shape).
     """
 
     def __init__(self, forward: Callable[[Packed], list[torch.Tensor]], capture: bool):
         self.forward = forward
         self.capture = capture
         self.captured: dict[tuple, Captured] = {}
+        self.seconds = 0.0
         self._memory = torch.cuda.graph_pool_handle() if capture else None
         self._lock = threading.Lock()
 
@@ -77,7 +81,9 @@ class Graphs:
         with self._lock:
             captured = self.captured.get(key)
             if captured is None:
+                start = time.perf_counter()
                 captured = self.captured[key] = self._capture(packed)
+                self.seconds += time.perf_counter() - start
             for mine, given in zip(captured.inputs, packed.inputs()):
                 mine.copy_(given)
             if captured.graph is None:
