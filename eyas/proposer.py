@@ -112,7 +112,7 @@ class DraftModel:
         self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to the row buckets of the oneDNN products
         drafter.rotary.reserve(slot_len, drafter.dtype, drafter.device)  # no table growth (a host sync) mid-forward
         on_cuda = drafter.device.type == "cuda"
-        self.graphs = Graphs(self._step, on_cuda) if (on_cuda if graphs is None else graphs) else None
+        self.graphs = Graphs(self._step, drafter.device) if (on_cuda if graphs is None else graphs) else None
 
     def rows(self, call: RowsCall) -> int:
         """Rows `call` adds to a batch (its share of the row budget)."""

@@ -88,10 +88,12 @@ class TargetModel:
         self.bucketed = packs(model.dtype, model.device)  # batches padded to the row buckets of the oneDNN products
         self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
         capturable = model.shard.size == 1 and not model.experts
-        if graphs and not capturable:
-            raise ValueError("graphs: a tensor-parallel rank or an MoE target runs its forwards eagerly")
         on_cuda = model.device.type == "cuda"
-        self.graphs = Graphs(self._forward, on_cuda) if (capturable and on_cuda if graphs is None else graphs) else None
+        if graphs is None:
+            graphs = capturable and on_cuda
+        elif graphs and not capturable:
+            raise ValueError("graphs: a tensor-parallel rank or an MoE target runs its forwards eagerly")
+        self.graphs = Graphs(self._forward, model.device) if graphs else None
 
     @property
     def embed(self) -> torch.nn.Embedding:

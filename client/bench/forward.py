@@ -47,6 +47,7 @@ def compare(logits: torch.Tensor, reference: torch.Tensor) -> dict:
 
 
 def run(args) -> dict:
+    """The whole forward benchmark as one JSON record."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     hf, runtime = random_llama(args.size, args.context, dtype, device)

@@ -8,8 +8,8 @@ one call. A graph reads and writes fixed addresses with fixed shapes, so a batch
 KV goes and which slots it reads are index tensors (runtime/kv.py, `SlotBatch.shape`), so one graph serves any
 sessions. Batches past the largest bucket (a long prefill) run eagerly.
 
-Without CUDA (`capture=False`) the same fixed-shape batches run eagerly: the padding and the copies are those a
-graph replays, which is how the CPU tests check them.
+On a CPU the same fixed-shape batches run eagerly: the padding and the copies are those a graph replays, which is
+how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -55,19 +55,20 @@ class Captured:
 
 
 class Graphs:
-    """A model's forward over fixed-shape batches, as a CUDA graph per bucket shape (`capture`) or eagerly (CPU).
+    """A model's forward over fixed-shape batches on `device`: a CUDA graph per bucket shape there, eager on a CPU.
 
     `forward(packed)` returns the tensors a runner reads; `run` returns copies of them, since the next replay of any
     of the model's graphs may reuse their memory (all share one memory pool). One thread at a time replays.
     `seconds` is the time spent capturing (once per shape, in the first batch of that shape).
     """
 
-    def __init__(self, forward: Callable[[Packed], list[torch.Tensor]], capture: bool):
+    def __init__(self, forward: Callable[[Packed], list[torch.Tensor]], device: torch.device):
         self.forward = forward
-        self.capture = capture
+        self.device = device
+        self.capture = device.type == "cuda"
         self.captured: dict[tuple, Captured] = {}
         self.seconds = 0.0
-        self._memory = torch.cuda.graph_pool_handle() if capture else None
+        self._memory = torch.cuda.graph_pool_handle() if self.capture else None
         self._lock = threading.Lock()
 
     def shape(self, calls: list[RowsCall], slot_len: int) -> tuple[int, int, int] | None:
@@ -88,7 +89,8 @@ class Graphs:
                 mine.copy_(given)
             if captured.graph is None:
                 return [t.clone() for t in self.forward(captured.packed)]
-            captured.graph.replay()
+            with torch.cuda.device(self.device):  # a graph launches on the current device's stream
+                captured.graph.replay()
             return [t.clone() for t in captured.outputs]
 
     def _capture(self, packed: Packed) -> Captured:
@@ -101,13 +103,14 @@ class Graphs:
         )
         if not self.capture:
             return Captured(own, None, [])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUPS):
-                self.forward(own)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory, capture_error_mode="thread_local"):
-            outputs = self.forward(own)
+        with torch.cuda.device(self.device):  # the model's device, which need not be the current one (cuda:N)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUPS):
+                    self.forward(own)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory, capture_error_mode="thread_local"):
+                outputs = self.forward(own)
         return Captured(own, graph, outputs)
