@@ -25,4 +25,11 @@ step forward-1b 90 eyas bench forward --device cuda --rows 1,9,33,64
 step runtime-bf16-graphs 120 $runtime --graphs on
 step runtime-f32-graphs 100 $runtime --dtype float32 --graphs on
 step forward-1b-f32 90 eyas bench forward --device cuda --dtype float32 --rows 1,9,33,64
+step runtime-bf16-eager 120 $runtime --graphs off
+step runtime-f32-eager 100 $runtime --dtype float32 --graphs off
+for dtype in bfloat16 float32; do  # does one forward grow with the keys it reads? a tiny model, so launches dominate
+    for context in 100 1700; do
+        step forward-tiny-$dtype-$context 60 eyas bench forward --size tiny --device cuda --dtype $dtype --context $context --rows 1,9,33
+    done
+done
 grep -E "Error|error:" "$log" | tail -5

@@ -14,6 +14,12 @@ import torch
 import torch.nn.functional as F
 
 
+# On CUDA, scaled_dot_product_attention prefers cuDNN's kernel for half dtypes on recent GPUs, and cuDNN builds
+# a plan for every new shape: 60-400 ms each on an H200, and a round's shapes are new most rounds (the keys read
+# grow, the rows vary). The memory-efficient kernel, which also takes the masks eyas passes, has no such step.
+# A process-wide torch setting (docs/runtime.md, "Attention on CUDA").
+torch.backends.cuda.enable_cudnn_sdp(False)
+
 TREE_HEADROOM = 256  # slot positions past a request's own tokens, for the scratch rows of one round's tree
 
 

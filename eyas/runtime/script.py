@@ -18,10 +18,10 @@ F = TypeVar("F", bound=Callable)
 # TorchScript's graph executor profiles a function's first calls, then optimises a plan specialised to the shapes
 # and dtypes it saw, and profiles and re-plans when later calls miss it. The serving path's shapes change from one
 # forward to the next (rows, positions read, batch-mates), so it kept paying for planning: on a CPU the first
-# request's rounds cost 22 ms against 13 ms later; on an H200 eager bfloat16 rounds spent 150 ms inside scripted
-# calls (docs/runtime.md, "Fewer trips through Python"). Unoptimised, a scripted function still runs all its
-# operators in one call, without returning to Python, and its steady cost measured the same. This is a process-wide
-# TorchScript setting: it applies to any other scripted code in an eyas process too.
+# request's rounds cost 22 ms against 13 ms later (docs/runtime.md, "Fewer trips through Python"). Unoptimised,
+# a scripted function still runs all its operators in one call, without returning to Python, and its steady cost
+# measured the same. This is a process-wide TorchScript setting: it applies to any other scripted code in an eyas
+# process too.
 torch._C._set_graph_executor_optimize(False)
 
 
