@@ -237,3 +237,10 @@ def test_fixed_shape_batches_a_cuda_graph_replays_equal_the_eager_batches(tmp_pa
 def test_graphs_are_refused_for_a_target_whose_forward_is_not_captured(tmp_path):
     with pytest.raises(ValueError, match="graphs"):
         TargetModel.from_pretrained(make_target(tmp_path / "t", "mixtral"), graphs=True)
+
+
+def test_the_runtime_turns_off_what_plans_per_shape():
+    """cuDNN's attention plans per shape (60-400 ms each on an H200) and TorchScript's optimising executor re-plans
+    per shape: the runtime turns both off on import (docs/runtime.md, "Attention on CUDA")."""
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert not torch._C._get_graph_executor_optimize()
