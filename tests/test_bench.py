@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 
 from transformers import AutoModelForCausalLM
 
@@ -12,6 +13,7 @@ from eyas.client.bench.harness import Suite, write_charts
 from eyas.client.bench.forward import run as forward_bench
 from eyas.client.bench.peers import DEFAULT_VLLM_K, K_SCAN_FILE, choose_vllm_k, run_bench
 from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, verify_phases
+from eyas.client.bench.service import command_line
 
 
 def test_bench_record_has_every_system_and_ratio(tmp_path, capsys):
@@ -83,3 +85,9 @@ def test_vllm_k_is_the_one_given_else_the_last_scan_else_the_default(tmp_path):
     (tmp_path / K_SCAN_FILE).write_text(json.dumps({"best": 5, "tokens_per_s": {"5": 90.0}}))
     assert choose_vllm_k(tmp_path, None) == (5, f"last scan ({tmp_path / K_SCAN_FILE})")
     assert choose_vllm_k(tmp_path, 2) == (2, "given")
+
+
+def test_the_service_bench_reads_past_a_process_that_ends_while_it_looks():
+    """Finding the coordinator lists /proc, then reads each command line: a process gone in between is skipped."""
+    assert command_line(str(os.getpid())) != b""
+    assert command_line("4194304999") == b""  # above any pid Linux gives out

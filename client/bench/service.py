@@ -45,12 +45,18 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def command_line(pid: str) -> bytes:
+    """A process's command line from /proc; empty for one that ended since /proc was listed."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
 def service_pids(client: Client) -> list[int]:
     """The coordinator's and every worker's process id (all on this machine)."""
     workers = [w["pid"] for pool in client.status()["pools"] for w in pool["workers"]]
-    coordinator = [
-        int(pid) for pid in os.listdir("/proc") if pid.isdigit() and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Coordinator")
-    ]
+    coordinator = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and command_line(pid).startswith(b"ray::Coordinator")]
     return workers + coordinator
 
 
