@@ -11,12 +11,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from eyas import Engine
+from eyas import Engine, Generation
 from eyas.client.bench.harness import demo_suite
 from eyas.client.bench.runtime import heldout_ids
 
 
-def per_round(generation) -> dict:
+def per_round(generation: Generation) -> dict[str, float]:
     """Milliseconds per round of each phase of one generation."""
     return {k: round(1000 * v / generation.stats.rounds, 2) for k, v in generation.stats.seconds.items()}
 
