@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from .batch import Packed, RowsCall
+from .kv import captured_attention
 
 MAX_ENTRIES = 64  # calls one captured batch holds (entries pad to a power of two)
 MAX_ROWS = 128  # rows of one call a captured batch holds (rows pad to a power of two)
@@ -103,7 +104,7 @@ class Graphs:
         )
         if not self.capture:
             return Captured(own, None, [])
-        with torch.cuda.device(self.device):  # the model's device, which need not be the current one (cuda:N)
+        with torch.cuda.device(self.device), captured_attention():  # the model's device, which need not be the current one (cuda:N)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -7,18 +7,28 @@ scratch, so dropping a tree is a length reset and a commit moves only the accept
 
 import heapq
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 # On CUDA, scaled_dot_product_attention prefers cuDNN's kernel for half dtypes on recent GPUs, and cuDNN builds
 # a plan for every new shape: 60-400 ms each on an H200, and a round's shapes are new most rounds (the keys read
 # grow, the rows vary). The memory-efficient kernel, which also takes the masks eyas passes, has no such step.
-# A process-wide torch setting (docs/runtime.md, "Attention on CUDA").
+# A process-wide torch setting (docs/runtime.md, "Attention on CUDA"); `captured_attention` lifts it in captures.
 torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def captured_attention() -> AbstractContextManager:
+    """While a CUDA graph is captured (runtime/graphs.py): every attention backend on, as torch has them by default,
+    so cuDNN's kernel runs where torch prefers it. A graph pays its plan once, at capture, and replays its kernels,
+    which run faster than the memory-efficient kernel's (docs/runtime.md). torch's backend switches are
+    process-wide: an eager forward on another thread during a capture may use it too."""
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 TREE_HEADROOM = 256  # slot positions past a request's own tokens, for the scratch rows of one round's tree
 
