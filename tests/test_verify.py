@@ -55,6 +55,25 @@ def test_greedy_with_no_matching_child_emits_only_the_frontier_token():
     assert decision.accepted_rows == (0,) and decision.accepted_tokens == () and decision.frontier_token == 6
 
 
+def test_greedy_reports_the_target_probabilities_of_every_node_and_the_frontier():
+    """Informational under greedy, but traces and the tuner read them: each node's token under the softmax of its
+    parent row, the frontier token under its row's; a tie goes to the lowest token id, as torch's argmax has it."""
+    flat = small_tree()
+    torch.manual_seed(0)
+    logits = torch.randn(flat.num_rows, 8) * 4
+    logits[0, 2] = logits[0].max() + 1.0
+    logits[0, 5] = logits[0, 2]  # a tie at the root: token 2 (a child) comes first
+    decision, acceptance = greedy_decision(flat, logits)
+    probs = torch.softmax(logits.double(), dim=-1)
+    parents, tokens = flat.parents.tolist(), flat.tokens.tolist()
+    expected = [1.0] + [probs[parents[r], tokens[r]].item() for r in range(1, flat.num_rows)]
+    assert decision.accepted_rows[:2] == (0, tokens.index(2))
+    assert decision.token_probs == pytest.approx(expected, rel=1e-6)
+    assert decision.frontier_prob == pytest.approx(probs[decision.accepted_rows[-1], decision.frontier_token].item(), rel=1e-6)
+    best = logits.argmax(dim=-1)
+    assert acceptance.tolist() == [1.0] + [float(best[parents[r]] == tokens[r]) for r in range(1, flat.num_rows)]
+
+
 def test_target_distribution_matches_hugging_face_warpers():
     torch.manual_seed(0)
     logits = torch.randn(16, 50) * 3
