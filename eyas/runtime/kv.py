@@ -153,9 +153,10 @@ def write_rows(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tenso
     which TorchScript compiles inside the decoder's scripted blocks (runtime/model.py), as it does `attend`."""
     src_b, src_n, dst_slot, dst_pos = writes.src_b, writes.src_n, writes.dst_slot, writes.dst_pos
     if src_b is None or src_n is None or dst_slot is None or dst_pos is None:
-        slot, start, n = writes.slot, writes.start, writes.length
-        kv[0, slot, :, start : start + n] = k[0, :, :n]
-        kv[1, slot, :, start : start + n] = v[0, :, :n]
+        n = writes.length
+        rows = kv.select(1, writes.slot).narrow(2, writes.start, n)  # [2, kv_heads, n, hd], a view of the slot
+        rows[0].copy_(k[0].narrow(1, 0, n))
+        rows[1].copy_(v[0].narrow(1, 0, n))
         return
     new = torch.stack([k, v]).permute(1, 3, 0, 2, 4)  # [B, N, 2, kv_heads, hd]
     kv.transpose(0, 1)[dst_slot, :, :, dst_pos] = new[src_b, src_n].to(kv.dtype)  # [R, 2, kv_heads, hd]
@@ -170,9 +171,14 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
         keys = kv[0, :, :, : writes.key_len].index_select(0, read_slots)  # [B, kv_heads, key_len, hd]
         values = kv[1, :, :, : writes.key_len].index_select(0, read_slots)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=gqa)
+    runs = writes.runs
+    if len(runs) == 1 and runs[0][1] == q.shape[0] and runs[0][2] == bias.shape[-1]:  # one run, the whole batch
+        first, count, end = runs[0]
+        read = kv.narrow(1, first, count).narrow(3, 0, end)  # [2, B, kv_heads, key_len, hd]
+        return F.scaled_dot_product_attention(q, read[0], read[1], attn_mask=bias, enable_gqa=gqa)
     outs: List[torch.Tensor] = []
     b = 0
-    for first, count, end in writes.runs:
+    for first, count, end in runs:
         keys, values = kv[0, first : first + count, :, :end], kv[1, first : first + count, :, :end]  # [n, kv_heads, K', hd]
         outs.append(F.scaled_dot_product_attention(q[b : b + count], keys, values, attn_mask=bias[b : b + count, :, :, :end], enable_gqa=gqa))
         b += count

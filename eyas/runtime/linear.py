@@ -51,7 +51,7 @@ def linear(
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", scalars, "")  # [R', out]
     shape = x.shape[:-1]
     shape.append(out.shape[-1])
-    return out[:rows].view(shape)
+    return (out if padded == rows else out[:rows]).view(shape)
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:

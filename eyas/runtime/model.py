@@ -39,10 +39,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activatio
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32, scale in the input dtype. In float32 this is torch's fused kernel (one
-    operator, bitwise equal to the composite below, which other dtypes keep)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, [x.shape[-1]], weight, eps)
+    """Llama RMSNorm: normalise in float32, scale in the input dtype, as Hugging Face computes it. (torch's
+    `F.rms_norm` gives the same bits in float32, but on a CPU it runs these operators and more: slower.)"""
     normed = x.float()
     normed = (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     if weight is None:
