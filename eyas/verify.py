@@ -41,8 +41,9 @@ def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> tuple[Acceptan
     logits: [N, V], row i is the target's next-token logits after the path to row i. Also returns the [N]
     float64 conditional acceptance of every row: 1 where its token is the argmax at its parent (root: 1).
     The target probabilities the decision reports (every node's token, the frontier token) are informational
-    under greedy: one float32 softmax of the rows that need one (the parents, the last accepted row). The
-    arithmetic runs in numpy, whose row reductions cost a tenth of torch's at this size (a round's own time).
+    under greedy: a log-normaliser for each row that needs one (the parents, the last accepted row), from float32
+    exponentials summed in float64. The arithmetic runs in numpy, whose row reductions cost a tenth of torch's at
+    this size (a round's own time).
     """
     scores = logits.detach().float().cpu().numpy()  # [N, V]
     best = scores.argmax(axis=-1).tolist()  # [N]
@@ -50,10 +51,11 @@ def greedy_decision(tree: FlattenedTree, logits: torch.Tensor) -> tuple[Acceptan
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     at, picked = [*parents[1:], rows[-1]], [*tokens[1:], frontier]  # each node's parent row and token, then the frontier's
     normed = sorted(set(at))
-    shifted = scores[normed] - scores[normed].max(axis=-1, keepdims=True)  # [P, V]
-    log_norm = dict(zip(normed, np.log(np.exp(shifted).sum(axis=-1, dtype=np.float64)).tolist()))
-    tops = dict(zip(normed, scores[normed].max(axis=-1).tolist()))
-    probs = [math.exp(float(scores[r, t]) - tops[r] - log_norm[r]) for r, t in zip(at, picked)]  # [N]
+    block = scores[normed]  # [P, V]
+    top = block.max(axis=-1, keepdims=True)  # [P, 1]
+    log_norm = top[:, 0] + np.log(np.exp(block - top).sum(axis=-1, dtype=np.float64))  # [P] float64
+    norm_of = dict(zip(normed, log_norm.tolist()))
+    probs = [math.exp(float(scores[r, t]) - norm_of[r]) for r, t in zip(at, picked)]  # [N]
     decision = AcceptanceDecision(tuple(rows), tuple(tokens[r] for r in rows[1:]), frontier, probs[-1], (1.0, *probs[:-1]))
     matches = [1.0, *(float(best[p] == t) for p, t in zip(parents[1:], tokens[1:]))]
     return decision, torch.tensor(matches, dtype=torch.float64)
