@@ -30,8 +30,7 @@ def timed_batches(engine: Engine, prompts: list[list[int]], repeats: int) -> Non
 def main(dtype: str = "bfloat16", device: str = "cuda") -> None:
     suite = demo_suite(BATCH + 1)
     engine = Engine.from_pretrained(suite.target, suite.drafters["eagle3"], tree="auto", dtype=dtype, device=device)
-    tokenizer = engine.target.tokenizer
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in suite.prompts]
+    prompts = suite.prompts  # token ids
     settle(engine, prompts[-1], MAX_NEW_TOKENS)  # tree auto's first exploration, untimed
     start = time.perf_counter()
     alone = [engine.generate(p, max_new_tokens=MAX_NEW_TOKENS, stop_at_eos=False) for p in prompts[:BATCH]]

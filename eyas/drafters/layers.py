@@ -8,6 +8,7 @@ training runs over packed, rolled-out rows; neither is plain causal.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,19 @@ ServedAttention = Callable[[torch.Tensor, Rope, object, torch.Tensor], torch.Ten
 ServedMLP = Callable[[torch.Tensor], torch.Tensor]
 
 
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in float32, scale in the input dtype, as Hugging Face computes it (no weight: the
+    normalised rows alone). torch's `F.rms_norm` gives the same bits in float32, but on a CPU it runs these
+    operators and more. Plain torch, so TorchScript compiles it inside the runtime's blocks too, as `rotate`."""
+    normed = x.float()
+    normed = (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if weight is None:
+        return normed
+    return weight * normed
+
+
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, scale in the input dtype (the runtime's `rms_norm` computes the same)."""
+    """Llama RMSNorm as a module with its weight (`rms_norm`)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -31,8 +43,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def frozen_product(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -171,16 +171,12 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
         keys = kv[0, :, :, : writes.key_len].index_select(0, read_slots)  # [B, kv_heads, key_len, hd]
         values = kv[1, :, :, : writes.key_len].index_select(0, read_slots)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=gqa)
-    runs = writes.runs
-    if len(runs) == 1 and runs[0][1] == q.shape[0] and runs[0][2] == bias.shape[-1]:  # one run, the whole batch
-        first, count, end = runs[0]
-        read = kv.narrow(1, first, count).narrow(3, 0, end)  # [2, B, kv_heads, key_len, hd]
-        return F.scaled_dot_product_attention(q, read[0], read[1], attn_mask=bias, enable_gqa=gqa)
     outs: List[torch.Tensor] = []
     b = 0
-    for first, count, end in runs:
-        keys, values = kv[0, first : first + count, :, :end], kv[1, first : first + count, :, :end]  # [n, kv_heads, K', hd]
-        outs.append(F.scaled_dot_product_attention(q[b : b + count], keys, values, attn_mask=bias[b : b + count, :, :, :end], enable_gqa=gqa))
+    for first, count, end in writes.runs:
+        read = kv.narrow(1, first, count).narrow(3, 0, end)  # [2, n, kv_heads, K', hd], a view of the pool
+        mask = bias.narrow(0, b, count).narrow(3, 0, end)
+        outs.append(F.scaled_dot_product_attention(q.narrow(0, b, count), read[0], read[1], attn_mask=mask, enable_gqa=gqa))
         b += count
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

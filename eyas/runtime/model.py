@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..drafters.layers import rotate, rotary_tables
+from ..drafters.layers import rms_norm, rotate, rotary_tables
 from .kv import TREE_HEADROOM, Writes, attend, write_rows
 from .linear import Linear, linear
 from .script import script
@@ -36,16 +36,6 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activatio
 # are bitwise those of eager code. The helpers they call (`rms_norm`, `activate`, `rotate`, `write_rows`, `attend`,
 # `row_bucket`) stay plain Python for Python callers, and TorchScript compiles them into the blocks. No
 # `from __future__ import annotations` here: TorchScript reads the NamedTuples' field types at run time.
-
-
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32, scale in the input dtype, as Hugging Face computes it. (torch's
-    `F.rms_norm` gives the same bits in float32, but on a CPU it runs these operators and more: slower.)"""
-    normed = x.float()
-    normed = (normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    if weight is None:
-        return normed
-    return weight * normed
 
 
 def activation(name: str) -> str:
