@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .outcomes import Calibration
 from .proposer import DraftModel
 from .rounds import RoundRecord
 from .runtime.batch import RowsCall
@@ -243,40 +244,6 @@ def measure_draft(draft: DraftModel, prefix_len: int = 192, repeats: int = 3) ->
 def measure_costs(target: TargetModel, draft: DraftModel, prefix_len: int = 192, repeats: int = 3) -> Costs:
     """Time target verifications and drafter steps of each size on top of a `prefix_len` prefix (one borrowed slot each)."""
     return Costs(*measure_verify(target, prefix_len, repeats), *measure_draft(draft, prefix_len, repeats))
-
-
-class Calibration:
-    """How often the target accepts a drafted node, given its parent was accepted, by the drafter's own conditional
-    probability of that node: learned from every node the exploring rounds verified, recent rounds weighing more.
-    Replays assume these rates for the nodes an exploration tree recorded but left unverified (a wide tree's budget
-    goes to shallow siblings and can leave a narrow policy's deep nodes out, which would otherwise count 0)."""
-
-    BINS = 10  # equal-width bins of the drafter's probability
-    PRIOR = 2.0  # pseudo-nodes pulling a bin towards its own mid probability (the drafter taken at its word)
-    DECAY = 0.97  # weight left to earlier rounds at each new one
-
-    def __init__(self) -> None:
-        self.accepted = [0.0] * self.BINS
-        self.counts = [0.0] * self.BINS
-
-    @classmethod
-    def bin(cls, probability: float) -> int:
-        """The bin of a drafter probability."""
-        return min(cls.BINS - 1, int(probability * cls.BINS))
-
-    def add(self, tree: DraftTree, accept: dict[int, float]) -> None:
-        """Fold in one verified round: accept[node] as in `Replay`."""
-        self.accepted = [a * self.DECAY for a in self.accepted]
-        self.counts = [c * self.DECAY for c in self.counts]
-        for node, probability in accept.items():
-            if node:
-                b = self.bin(tree.confidences[node])
-                self.accepted[b] += probability
-                self.counts[b] += 1.0
-
-    def rates(self) -> list[float]:
-        """Acceptance rate of each bin."""
-        return [(a + self.PRIOR * (b + 0.5) / self.BINS) / (c + self.PRIOR) for b, (a, c) in enumerate(zip(self.accepted, self.counts))]
 
 
 class Replay:

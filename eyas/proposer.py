@@ -8,7 +8,6 @@ committed draft length always equals the target's committed prefix.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +18,7 @@ import torch
 from .drafters import Drafter
 from .drafters.layers import MLP, Attention, Rope, frozen_product
 from .errors import VersionError
+from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
 from .runtime.batch import Packed, RowsCall, merge_calls, pack, split_rows
 from .runtime.device import attention_dtype
@@ -103,6 +103,9 @@ class DraftModel:
             drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head))
         self.drafter = drafter
         self.ahead_trees = ahead_trees
+        # how often the target accepts this drafter's nodes, the odds drafting ahead guesses by: fed by every round of
+        # every session (the tuner's calibration sees exploring rounds only), so it keeps about the last 200
+        self.calibration = Calibration(decay=0.995)
         self._background = None if ahead_runner else ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")
         self.ahead_runner = ahead_runner or self._run_in_background
         attn = drafter.attention
@@ -177,6 +180,7 @@ class DraftSession:
         self.ahead: dict[tuple, Grown] = {}  # (version, accepted tokens, bonus, policy) -> tree drafted ahead
         self.ahead_built = 0
         self.ahead_hits = 0
+        self.proposed: tuple[int, DraftTree, list[int]] | None = None  # version, recorded tree, verified nodes
         self._ahead_job: Future | None = None
         self._ahead_stop = False  # set once the outcome drafting ahead guesses at is known; read between its steps
 
@@ -248,6 +252,10 @@ class DraftSession:
             return
         if version != self.version:
             raise VersionError("draft cache", self.version, version)
+        if self.proposed is not None and self.proposed[0] == version and tokens:  # what the target made of the tree
+            _, tree, nodes = self.proposed
+            self.model.calibration.add(tree, observed_acceptance(tree, nodes, tuple(tokens[:-1])))
+        self.proposed = None
         self._queue(features, tokens)
         self.version = version + 1
         self.last_reseed = (version, tuple(tokens))
@@ -302,6 +310,7 @@ class DraftSession:
             candidates = yield from self._run_pending(policy.width if drafting else 0)
             grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy, candidates)
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
+            self.proposed = (version, grown.proposal.draft_tree, grown.proposal.row_nodes)
             self._ahead_stop = False
             self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy))
         return grown.proposal
@@ -356,9 +365,9 @@ class DraftSession:
         """While the tree of `version - 1` is verified: pre-build the `version` trees of its likeliest outcomes.
 
         An outcome is an accepted path (root to a verified node n) and the bonus token b after it, b not one of
-        n's verified children; its weight under the drafter is the path's confidence times q(b | n). A
-        pre-built tree conditions on the drafter's own states along the path (as deeper tree levels do) and
-        roots at b; the verified features reseed the drafter as usual afterwards.
+        n's verified children, priced at the acceptance the target has shown for nodes of each drafter probability
+        (`eyas.outcomes.likeliest_outcomes`). A pre-built tree conditions on the drafter's own states along the path
+        (as deeper tree levels do) and roots at b; the verified features reseed the drafter as usual afterwards.
         """
         try:
             proposal, states, path_rows = grown.proposal, grown.states, grown.path_rows
@@ -371,14 +380,8 @@ class DraftSession:
             # enough candidates per node that `ahead_trees` remain besides its verified children
             width = policy.width + self.model.ahead_trees
             tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in nodes]), width)
-            verified = {n: set() for n in nodes}
-            for n in nodes[1:]:
-                verified[tree.parents[n]].add(tree.tokens[n])
-            outcomes = []
-            for n, row_tokens, row_probs in zip(nodes, tokens.tolist(), probs.tolist()):
-                reach = math.exp(tree.log_values[n])
-                outcomes += [(reach * q, n, b) for b, q in zip(row_tokens, row_probs) if b not in verified[n]]
-            outcomes = sorted(outcomes, key=lambda o: -o[0])[: self.model.ahead_trees]  # likeliest built first
+            candidates = [list(zip(t, q)) for t, q in zip(tokens.tolist(), probs.tolist())]
+            outcomes = likeliest_outcomes(tree, nodes, candidates, self.model.calibration, self.model.ahead_trees)
             if not outcomes or self._ahead_stop:
                 return
             # the bonus rows: each bonus b as a child of its node n, one drafter step for all of them

@@ -17,7 +17,6 @@ from eyas.autotree import (
     EXPLORE_NARROW,
     LOCKSTEP_ROUNDS,
     MIN_OBSERVED,
-    Calibration,
     Costs,
     Replay,
     TreeTuner,
@@ -26,6 +25,7 @@ from eyas.autotree import (
     grid,
 )
 from eyas.drafters import drafter_config
+from eyas.outcomes import Calibration
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
 from eyas.rounds import start

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.drafters import drafter_config
-from eyas.publish import publish
+from eyas.publish import publish, reseed_tokens
 from eyas.rounds import start
 from eyas.tree import TreePolicy
 
@@ -130,6 +130,11 @@ def test_a_tree_drafted_ahead_is_used_only_for_the_version_and_outcome_it_assume
     assert draft.ahead and all(key[0] == 1 for key in draft.ahead)  # keyed to the next version only
     verification = target_session.verify(proposal.tree, 0, request.sampling)
     publish(request, verification.decision, verification.features, target_session, draft)
+    calibration = engine.draft.calibration  # fed what the target made of the tree: the oracle's path accepted
+    observed = (sum(calibration.accepted), sum(calibration.counts))
+    assert observed[0] == pytest.approx(2.0) and observed[1] > observed[0]
+    draft.reseed(0, verification.features, reseed_tokens(verification.decision))  # a retried reseed is a no-op ...
+    assert (sum(calibration.accepted), sum(calibration.counts)) == observed  # ... and feeds nothing twice
     hit = draft.propose(1, request.root_token, engine.tree)
     assert hit.assumed == (tuple(reference[:2]), reference[2]) and hit.tree.prefix_len == target_session.committed
     draft._settle_ahead()

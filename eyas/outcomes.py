@@ -1,0 +1,105 @@
+"""What verifying a drafted tree will decide, guessed before the target has run: how often the target accepts a
+node of a given drafter confidence (`Calibration`, learned from verified rounds), and the likeliest outcomes of a
+round (`likeliest_outcomes`), which drafting ahead pre-builds the next trees for (docs/runtime.md).
+
+Pure bookkeeping over `DraftTree` records: no model, no torch.
+"""
+
+from __future__ import annotations
+
+from .tree import DraftTree
+
+REST_FLOOR = 1e-6  # the drafter's mass left to a node's unverified tokens, at least (a node whose children took it all)
+
+
+class Calibration:
+    """How often the target accepts a drafted node, given its parent was accepted, by the drafter's own conditional
+    probability of that node, recent rounds weighing more. A drafter's probabilities are rarely the target's: a
+    distilled drafter decoded greedily is accepted at its high-confidence nodes nearly always, and at its
+    low-confidence ones less often than it says."""
+
+    BINS = 10  # equal-width bins of the drafter's probability
+    PRIOR = 2.0  # pseudo-nodes pulling a bin towards its own mid probability (the drafter taken at its word)
+
+    def __init__(self, decay: float = 0.97) -> None:
+        """`decay`: the weight left to earlier rounds at each new one."""
+        self.decay = decay
+        self.accepted = [0.0] * self.BINS
+        self.counts = [0.0] * self.BINS
+
+    @classmethod
+    def bin(cls, probability: float) -> int:
+        """The bin of a drafter probability."""
+        return min(cls.BINS - 1, int(probability * cls.BINS))
+
+    def add(self, tree: DraftTree, accept: dict[int, float]) -> None:
+        """Fold in one verified round: accept[node], for nodes whose parent was accepted, is the probability the
+        target accepted it (1 or 0 where the outcome is known)."""
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.counts = [c * self.decay for c in self.counts]
+        for node, probability in accept.items():
+            if node:
+                b = self.bin(tree.confidences[node])
+                self.accepted[b] += probability
+                self.counts[b] += 1.0
+
+    def rates(self) -> list[float]:
+        """Acceptance rate of each bin."""
+        return [(a + self.PRIOR * (b + 0.5) / self.BINS) / (c + self.PRIOR) for b, (a, c) in enumerate(zip(self.accepted, self.counts))]
+
+    def rate(self, probability: float) -> float:
+        """Acceptance rate of a node of this drafter probability."""
+        return self.rates()[self.bin(probability)]
+
+
+def children_of(tree: DraftTree, nodes: list[int]) -> dict[int, list[int]]:
+    """Each of `nodes` -> its children among `nodes` (the verified nodes of a flattened tree)."""
+    children: dict[int, list[int]] = {n: [] for n in nodes}
+    for n in nodes:
+        if n and tree.parents[n] in children:
+            children[tree.parents[n]].append(n)
+    return children
+
+
+def observed_acceptance(tree: DraftTree, nodes: list[int], accepted: tuple[int, ...]) -> dict[int, float]:
+    """What one decided round shows of acceptance: for every verified node (of `nodes`) whose parent the target
+    accepted, 1.0 if it accepted the node too, else 0.0. `accepted`: the accepted tokens after the root."""
+    children = children_of(tree, nodes)
+    seen: dict[int, float] = {}
+    node = 0
+    for token in (*accepted, None):
+        taken = None
+        for child in children[node]:
+            hit = tree.tokens[child] == token
+            seen[child] = 1.0 if hit else 0.0
+            taken = child if hit else taken
+        if taken is None:
+            break
+        node = taken
+    return seen
+
+
+def likeliest_outcomes(
+    tree: DraftTree, nodes: list[int], candidates: list[list[tuple[int, float]]], rates: Calibration, count: int
+) -> list[tuple[float, int, int]]:
+    """The `count` likeliest outcomes of verifying `nodes` of `tree`, likeliest first, as (probability, node n,
+    bonus b): the target accepts the path from the root to n, none of n's verified children, and then picks b.
+
+    `candidates[i]`: the drafter's (token, probability) at nodes[i], best first. The path and the children's
+    rejection are priced at the calibrated acceptance of each node's drafter probability; the bonus at the drafter's
+    probability of b among the tokens that are not n's verified children. With no rounds seen, `rates` takes the
+    drafter at its word and this is the drafter's own probability of the path followed by b.
+    """
+    children = children_of(tree, nodes)
+    rate = rates.rates()
+    accept = {n: rate[Calibration.bin(tree.confidences[n])] for n in nodes if n}
+    reach = {0: 1.0}
+    for n in sorted(nodes, key=lambda n: tree.depths[n])[1:]:  # a parent before its children
+        reach[n] = reach[tree.parents[n]] * accept[n]
+    outcomes = []
+    for n, tokens in zip(nodes, candidates):
+        verified = {tree.tokens[c] for c in children[n]}
+        rejected = max(0.0, 1.0 - sum(accept[c] for c in children[n]))
+        rest = max(REST_FLOOR, 1.0 - sum(tree.confidences[c] for c in children[n]))
+        outcomes += [(reach[n] * rejected * q / rest, n, b) for b, q in tokens if b not in verified]
+    return sorted(outcomes, key=lambda o: -o[0])[:count]

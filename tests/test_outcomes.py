@@ -1,0 +1,72 @@
+"""Drafting ahead's odds: what a decided round shows of acceptance, and the outcomes it guesses from it."""
+
+import pytest
+
+from eyas.outcomes import Calibration, likeliest_outcomes, observed_acceptance
+from eyas.tree import DraftTree
+
+
+def small_tree() -> tuple[DraftTree, list[int]]:
+    """root -> a (token 1, q .75), b (token 2, q .2); a -> c (token 3, q .95): every node verified."""
+    tree = DraftTree(0)
+    a, b = tree.add_children([0], [(0, 1, 0.75), (0, 2, 0.2)])
+    (c,) = tree.add_children([a], [(a, 3, 0.95)])
+    return tree, [0, a, b, c]
+
+
+def test_a_decided_round_shows_the_verified_children_of_every_accepted_node():
+    tree, nodes = small_tree()
+    _, a, b, c = nodes
+    assert observed_acceptance(tree, nodes, ()) == {a: 0.0, b: 0.0}  # c's parent was rejected: c shows nothing
+    assert observed_acceptance(tree, nodes, (1,)) == {a: 1.0, b: 0.0, c: 0.0}
+    assert observed_acceptance(tree, nodes, (1, 3)) == {a: 1.0, b: 0.0, c: 1.0}
+    assert observed_acceptance(tree, [0, a, b], (1,)) == {a: 1.0, b: 0.0}  # c unverified: not observed
+
+
+def chain() -> tuple[DraftTree, list[int], list[list[tuple[int, float]]]]:
+    """root -> a (token 1, q .65) -> c (token 3, q .65), with the drafter's candidates at each node."""
+    tree = DraftTree(0)
+    (a,) = tree.add_children([0], [(0, 1, 0.65)])
+    (c,) = tree.add_children([a], [(a, 3, 0.65)])
+    candidates = [[(1, 0.65), (5, 0.3)], [(3, 0.65), (6, 0.3)], [(7, 0.9), (8, 0.05)]]
+    return tree, [0, a, c], candidates
+
+
+def test_with_no_round_seen_outcomes_are_priced_about_at_the_drafters_word():
+    """The path's drafter probability times the bonus's: bin mid-points stand in for the nodes' probabilities."""
+    tree, nodes, candidates = chain()
+    _, a, c = nodes
+    outcomes = likeliest_outcomes(tree, nodes, candidates, Calibration(), 8)
+    assert [(n, b) for _, n, b in outcomes] == [(c, 7), (0, 5), (a, 6), (c, 8)]  # verified children are no bonus
+    weights = {(n, b): w for w, n, b in outcomes}
+    assert weights[c, 7] == pytest.approx(0.65 * 0.65 * 0.9)
+    assert weights[0, 5] == pytest.approx(0.3)
+    assert weights[a, 6] == pytest.approx(0.65 * 0.3)
+    assert len(likeliest_outcomes(tree, nodes, candidates, Calibration(), 2)) == 2
+
+
+def test_guesses_follow_what_the_target_accepted():
+    """A drafter whose 0.65 nodes the target always rejects: the root's bonus becomes the likeliest outcome; one
+    whose 0.65 nodes it always accepts: outcomes that reject such a node fall to the bottom."""
+    tree, nodes, candidates = chain()
+    _, a, c = nodes
+    rejecting, accepting = Calibration(), Calibration()
+    for _ in range(50):
+        rejecting.add(tree, {a: 0.0})
+        accepting.add(tree, {a: 1.0, c: 1.0})
+    assert rejecting.rate(0.65) < 0.05 and accepting.rate(0.65) > 0.95
+    best, *_ = likeliest_outcomes(tree, nodes, candidates, rejecting, 8)
+    assert best[1:] == (0, 5) and best[0] > 0.8  # the root's other tokens share what the drafter left besides a
+    ranked = [(n, b) for _, n, b in likeliest_outcomes(tree, nodes, candidates, accepting, 8)]
+    assert ranked[:2] == [(c, 7), (c, 8)]
+
+
+def test_later_rounds_weigh_more():
+    tree, nodes = small_tree()
+    _, a, _, _ = nodes
+    calibration = Calibration(decay=0.5)
+    calibration.add(tree, {a: 1.0})
+    before = calibration.rate(0.75)
+    calibration.add(tree, {a: 0.0})
+    assert calibration.rate(0.75) < before
+    assert calibration.rate(0.75) == pytest.approx((0.5 + Calibration.PRIOR * 0.75) / (1.5 + Calibration.PRIOR))
