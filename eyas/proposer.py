@@ -406,13 +406,16 @@ class DraftSession:
                 )
                 for i, (_, n, b) in enumerate(outcomes)
             ]
-            for (_, n, b), built in zip(outcomes, (yield from self._grow_together(growths))):
-                if built is None:  # stopped: the decision has arrived
-                    return
-                path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
-                built.proposal.assumed = (path, b)
-                self.ahead[(version, path, b, policy)] = built
-                self.ahead_built += 1
+            # the likeliest tree grows first, alone, so that it is done when a decision arrives mid-way (trees grown
+            # together finish together, or not at all); then the others, together
+            for first, last in ((0, 1), (1, len(outcomes))):
+                for (_, n, b), built in zip(outcomes[first:last], (yield from self._grow_together(growths[first:last]))):
+                    if built is None:  # stopped: the decision has arrived
+                        return
+                    path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
+                    built.proposal.assumed = (path, b)
+                    self.ahead[(version, path, b, policy)] = built
+                    self.ahead_built += 1
         except KVCapacityError:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
 

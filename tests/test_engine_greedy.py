@@ -151,9 +151,12 @@ def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_
     jobs = []
     engine.draft.ahead_runner = lambda steps: jobs.append(steps) or Future()  # run by hand below
 
+    built_by = []  # trees built once each forward of the latest job had run
+
     def run_job(draft, interrupt_after: int | None) -> int:
         """Drive the drafting ahead the last proposal left, interrupting it after that many forwards; -> forwards."""
         steps, forwards = jobs.pop(), 0
+        built_by.clear()
         forward = next(steps)
         with pytest.raises(StopIteration):
             while True:
@@ -161,7 +164,10 @@ def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_
                 forwards += 1
                 if forwards == interrupt_after:
                     draft.interrupt_ahead()
-                forward = steps.send(result)
+                try:
+                    forward = steps.send(result)
+                finally:
+                    built_by.append(draft.ahead_built)
         draft._ahead_job.set_result(None)
         return forwards
 
@@ -169,7 +175,13 @@ def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_
     target_session, draft = engine.sessions(request)
     start(request, draft, target_session)
     proposal = draft.propose(0, request.root_token, engine.tree)
-    assert run_job(draft, None) > 2 and draft.ahead_built == 2  # left alone, both trees are built
+    assert run_job(draft, None) > 2 and draft.ahead_built == 2  # left alone, both trees are built ...
+    first = built_by.index(1) + 1  # ... the likeliest alone first, after this many forwards
+    assert first < len(built_by) and built_by[-1] == 2
+    likeliest = next(iter(draft.ahead))
+    draft.ahead.clear()
+    draft.propose(0, request.root_token, engine.tree)
+    assert run_job(draft, first) == first and list(draft.ahead) == [likeliest]  # a decision after it: that one stays
     draft.ahead.clear()
     draft.propose(0, request.root_token, engine.tree)
     assert run_job(draft, 1) == 1 and draft.ahead == {}  # the decision arrives after one step: no tree grows further
