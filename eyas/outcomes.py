@@ -16,7 +16,8 @@ class Calibration:
     """How often the target accepts a drafted node, given its parent was accepted, by the drafter's own conditional
     probability of that node, recent rounds weighing more. A drafter's probabilities are rarely the target's: a
     distilled drafter decoded greedily is accepted at its high-confidence nodes nearly always, and at its
-    low-confidence ones less often than it says."""
+    low-confidence ones less often than it says. Tree auto counts the nodes an exploring round recorded but left
+    unverified at these rates (`autotree.Replay`); drafting ahead prices the outcomes it guesses at with them."""
 
     BINS = 10  # equal-width bins of the drafter's probability
     PRIOR = 2.0  # pseudo-nodes pulling a bin towards its own mid probability (the drafter taken at its word)
@@ -46,10 +47,6 @@ class Calibration:
     def rates(self) -> list[float]:
         """Acceptance rate of each bin."""
         return [(a + self.PRIOR * (b + 0.5) / self.BINS) / (c + self.PRIOR) for b, (a, c) in enumerate(zip(self.accepted, self.counts))]
-
-    def rate(self, probability: float) -> float:
-        """Acceptance rate of a node of this drafter probability."""
-        return self.rates()[self.bin(probability)]
 
 
 def children_of(tree: DraftTree, nodes: list[int]) -> dict[int, list[int]]:
@@ -88,7 +85,7 @@ def likeliest_outcomes(
     `candidates[i]`: the drafter's (token, probability) at nodes[i], best first. The path and the children's
     rejection are priced at the calibrated acceptance of each node's drafter probability; the bonus at the drafter's
     probability of b among the tokens that are not n's verified children. With no rounds seen, `rates` takes the
-    drafter at its word and this is the drafter's own probability of the path followed by b.
+    drafter about at its word, and this is about the drafter's own probability of the path followed by b.
     """
     children = children_of(tree, nodes)
     rate = rates.rates()

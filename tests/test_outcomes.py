@@ -54,7 +54,7 @@ def test_guesses_follow_what_the_target_accepted():
     for _ in range(50):
         rejecting.add(tree, {a: 0.0})
         accepting.add(tree, {a: 1.0, c: 1.0})
-    assert rejecting.rate(0.65) < 0.05 and accepting.rate(0.65) > 0.95
+    assert rejecting.rates()[Calibration.bin(0.65)] < 0.05 and accepting.rates()[Calibration.bin(0.65)] > 0.95
     best, *_ = likeliest_outcomes(tree, nodes, candidates, rejecting, 8)
     assert best[1:] == (0, 5) and best[0] > 0.8  # the root's other tokens share what the drafter left besides a
     ranked = [(n, b) for _, n, b in likeliest_outcomes(tree, nodes, candidates, accepting, 8)]
@@ -66,7 +66,8 @@ def test_later_rounds_weigh_more():
     _, a, _, _ = nodes
     calibration = Calibration(decay=0.5)
     calibration.add(tree, {a: 1.0})
-    before = calibration.rate(0.75)
+    before = calibration.rates()[Calibration.bin(0.75)]
     calibration.add(tree, {a: 0.0})
-    assert calibration.rate(0.75) < before
-    assert calibration.rate(0.75) == pytest.approx((0.5 + Calibration.PRIOR * 0.75) / (1.5 + Calibration.PRIOR))
+    after = calibration.rates()[Calibration.bin(0.75)]
+    assert after < before
+    assert after == pytest.approx((0.5 + Calibration.PRIOR * 0.75) / (1.5 + Calibration.PRIOR))
