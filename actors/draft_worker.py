@@ -8,6 +8,7 @@ checks in front of them so that a rejected message changes no state.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -54,9 +55,10 @@ class DraftWorker(Worker):
         self.max_positions = int((config.get("text_config") or config).get("max_position_embeddings", 0))
         self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, spec.draft_ahead, self._draft_ahead)
 
-    def _draft_ahead(self, steps: Steps[None]) -> Future:
-        """A session's drafting ahead runs on the compute thread, batched with the calls in flight; the request's next
-        call waits for it (`followup`)."""
+    def _draft_ahead(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
+        """A session's drafting ahead runs on the compute thread in the steps no call waits for, while it is a guess
+        (`Lockstep`: it never widens a batch that requests wait on); once the request's next call has arrived it is
+        no guess but what that call waits for (`followup`), and runs at once, to its next drafter step."""
         settled: Future = Future()
 
         def ended(submitted: "Future[Operation]") -> None:
@@ -66,7 +68,7 @@ class DraftWorker(Worker):
             else:
                 settled.set_result(None)
 
-        self.scheduler.submit(steps).add_done_callback(ended)
+        self.scheduler.submit(steps, guessing).add_done_callback(ended)
         return settled
 
     def followup(self, request_id: str) -> Future | None:

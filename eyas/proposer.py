@@ -30,7 +30,8 @@ from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
 
-AheadRunner = Callable[[Steps[None]], Future]  # runs a session's drafting ahead beside the round; done when it is
+# runs a session's drafting ahead beside the round, given whether it is still a guess (no decision yet); done when it is
+AheadRunner = Callable[[Steps[None], Callable[[], bool]], Future]
 
 
 @dataclass
@@ -121,7 +122,8 @@ class DraftModel:
         """Rows `call` adds to a batch (its share of the row budget)."""
         return int(call.tokens.shape[0])
 
-    def _run_in_background(self, steps: Steps[None]) -> Future:
+    def _run_in_background(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
+        """One process: the drafting ahead runs alone on its own thread (the reseed waits for it)."""
         return self._background.submit(run_alone, steps)
 
     def _step(self, packed: Packed) -> list[torch.Tensor]:
@@ -312,7 +314,7 @@ class DraftSession:
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
             self.proposed = (version, grown.proposal.draft_tree, grown.proposal.row_nodes)
             self._ahead_stop = False
-            self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy))
+            self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy), lambda: not self._ahead_stop)
         return grown.proposal
 
     def _grow(

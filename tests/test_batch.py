@@ -193,6 +193,43 @@ def test_a_failing_forward_fails_only_its_own_operations(world):
     assert fine.error is None and fine.result.shape[0] == len(PROMPTS[0])
 
 
+def test_a_guess_runs_only_in_steps_no_other_operation_waits_for():
+    """A speculative operation (drafting ahead) never joins a batch other operations wait on: it runs when nothing
+    else waits, and beside them once it is no longer a guess (the decision it guessed at has arrived)."""
+
+    class Recorder:
+        def __init__(self):
+            self.batches = []
+
+        def rows(self, call):
+            return 1
+
+        def run(self, calls):
+            self.batches.append(list(calls))
+            return [None] * len(calls)
+
+    model = Recorder()
+
+    def steps(name, n):
+        for i in range(n):
+            yield Forward(model, f"{name}{i}")
+
+    lockstep = Lockstep()
+    guessing = True
+    lockstep.add(steps("guess", 3), speculative=lambda: guessing)
+    lockstep.add(steps("call", 2))
+    lockstep.step(), lockstep.step()
+    assert model.batches == [["call0"], ["call1"]]  # the guess waited while the call did
+    lockstep.step()
+    assert model.batches[-1] == ["guess0"]  # nothing else waits: the guess runs
+    lockstep.add(steps("next", 1))
+    guessing = False
+    lockstep.step()
+    assert model.batches[-1] == ["guess1", "next0"]  # waited on now: it batches with the others
+    lockstep.step()
+    assert model.batches[-1] == ["guess2"] and not lockstep.waiting
+
+
 def test_more_requests_than_slots_wait_for_one(world):
     target, drafter, _ = world
     engine = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4}, kv_slots=3)

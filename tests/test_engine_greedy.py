@@ -149,7 +149,7 @@ def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_
     prompt, reference = PROMPTS[0], references[0]
     engine = oracle_engine(target, prompt + reference, lambda p: 0, {"width": 2, "depth": 3, "budget": 6}, draft_ahead=2)
     jobs = []
-    engine.draft.ahead_runner = lambda steps: jobs.append(steps) or Future()  # run by hand below
+    engine.draft.ahead_runner = lambda steps, guessing: jobs.append(steps) or Future()  # run by hand below
 
     built_by = []  # trees built once each forward of the latest job had run
 

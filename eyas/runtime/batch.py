@@ -132,11 +132,13 @@ class Operation:
     batch-mates (from asking for a forward to the start of the batch that ran it), and, where its lockstep keeps them,
     the batches it took part in (rows, its batch-mates' among them, and wall seconds of each)."""
 
-    __slots__ = ("steps", "done", "forward", "asked", "waited", "forwards", "result", "error")
+    __slots__ = ("steps", "done", "speculative", "forward", "asked", "waited", "forwards", "result", "error")
 
-    def __init__(self, steps: Steps, done: Callable[["Operation"], None]):
+    def __init__(self, steps: Steps, done: Callable[["Operation"], None], speculative: Callable[[], bool] | None = None):
+        """`speculative`: while it says so, the operation is a guess (drafting ahead) that gives way to the others."""
         self.steps = steps
         self.done = done
+        self.speculative = speculative
         self.forward: Forward | None = None
         self.asked = 0.0
         self.waited = 0.0
@@ -154,6 +156,8 @@ class Lockstep:
     back into it and each drafting level does not also pay for a verification; a model passed over `MAX_SKIPS`
     steps in a row runs next. A batch takes calls in arrival order up to `max_rows` rows (at least one call); an
     operation left out waits at the front. A failing batch raises in each of its operations, not in the driver.
+    Speculative operations (trees drafted ahead) run only in steps no other operation waits for: they fill idle
+    time and never widen a batch that requests wait on.
     """
 
     MAX_SKIPS = 16
@@ -178,24 +182,29 @@ class Lockstep:
         """Operations waiting at a forward (between steps: every unfinished one)."""
         return len(self.waiting)
 
-    def add(self, steps: Steps, done: Callable[[Operation], None] = lambda op: None) -> Operation:
+    def add(
+        self, steps: Steps, done: Callable[[Operation], None] = lambda op: None, speculative: Callable[[], bool] | None = None
+    ) -> Operation:
         """Start an operation: it runs until its first forward (or to its end, calling `done`)."""
-        op = Operation(steps, done)
+        op = Operation(steps, done, speculative)
         self._resume(op, None, None)
         return op
 
-    def _next(self) -> tuple[int, set[int]]:
-        """The model the next step serves, and every model asked for."""
-        asked = {id(op.forward.runner) for op in self.waiting}
+    def _next(self, ready: list[Operation]) -> tuple[int, set[int]]:
+        """The model the next step serves among the operations `ready` to run, and every model they ask for."""
+        asked = {id(op.forward.runner) for op in ready}
         overdue = [key for key in asked if self._skipped.get(key, 0) >= self.MAX_SKIPS]
         return (overdue[0] if overdue else min(asked, key=lambda k: self._seconds.get(k, 0.0))), asked
 
     def step(self) -> None:
         """One batch of one model over the calls waiting for it, then every served operation resumes."""
-        key, asked = self._next()
+        certain = [op for op in self.waiting if op.speculative is None or not op.speculative()]
+        ready = certain or self.waiting  # the guesses run when nothing else waits
+        key, asked = self._next(ready)
+        chosen = {id(op) for op in ready}
         batch, rows, kept = [], 0, []
         for op in self.waiting:
-            if id(op.forward.runner) == key:
+            if id(op) in chosen and id(op.forward.runner) == key:
                 n = op.forward.runner.rows(op.forward.call)
                 if not batch or rows + n <= self.max_rows:
                     batch.append(op)
@@ -261,19 +270,24 @@ class Scheduler:
     def __init__(self, name: str, max_ops: int = 64, max_rows: int = MAX_BATCH_ROWS):
         self.max_ops = max_ops
         self.lockstep = Lockstep(max_rows, keep_forwards=True)  # each call reports the forwards it took part in
-        self._incoming: deque[tuple[Steps, Future]] = deque()
+        self._incoming: deque[tuple[Steps, Future, Callable[[], bool] | None]] = deque()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, steps: Steps) -> "Future[Operation]":
-        return self.submit_many([steps])[0]
+    def submit(self, steps: Steps, speculative: Callable[[], bool] | None = None) -> "Future[Operation]":
+        """Submit one operation; `speculative` as in `Operation`."""
+        future: Future = Future()
+        with self._cond:
+            self._incoming.append((steps, future, speculative))
+            self._cond.notify()
+        return future
 
     def submit_many(self, many: list[Steps]) -> "list[Future[Operation]]":
         """Submit operations together: they join the lockstep at the same step, so their first forwards batch."""
         futures: list[Future] = [Future() for _ in many]
         with self._cond:
-            self._incoming.extend(zip(many, futures))
+            self._incoming.extend((steps, future, None) for steps, future in zip(many, futures))
             self._cond.notify()
         return futures
 
@@ -285,8 +299,8 @@ class Scheduler:
             arrived = []
             while self._incoming and len(self.lockstep) + len(arrived) < self.max_ops:
                 arrived.append(self._incoming.popleft())
-        for steps, future in arrived:
-            self.lockstep.add(steps, lambda op, future=future: future.set_result(op))
+        for steps, future, speculative in arrived:
+            self.lockstep.add(steps, lambda op, future=future: future.set_result(op), speculative)
 
     def _loop(self) -> None:
         lockstep = self.lockstep
