@@ -57,8 +57,8 @@ class DraftWorker(Worker):
 
     def _draft_ahead(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
         """A session's drafting ahead runs on the compute thread in the steps no call waits for, while it is a guess
-        (`Lockstep`: it never widens a batch that requests wait on); once the request's next call has arrived it is
-        no guess but what that call waits for (`followup`), and runs at once, to its next drafter step."""
+        (`Lockstep`: it never widens a batch that requests wait on); once the request's next call has arrived, which
+        waits for it (`followup`), it ends at the drafter step it waits for, without running it."""
         settled: Future = Future()
 
         def ended(submitted: "Future[Operation]") -> None:

@@ -20,7 +20,7 @@ from .drafters.layers import MLP, Attention, Rope, frozen_product
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
-from .runtime.batch import Packed, RowsCall, merge_calls, pack, split_rows
+from .runtime.batch import GuessDecided, Packed, RowsCall, merge_calls, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
@@ -420,6 +420,8 @@ class DraftSession:
                     self.ahead_built += 1
         except KVCapacityError:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
+        except GuessDecided:
+            pass  # a worker's lockstep ended it at its next forward: the trees built stay, the half-built are dropped
 
     def _grow_together(self, growths: list[Steps["Grown | None"]]) -> Steps[list["Grown | None"]]:
         """Grow several trees of this session level by level: at each step the drafter calls they ask for (rows

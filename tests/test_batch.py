@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.errors import RequestError
-from eyas.runtime.batch import Lockstep, RowsCall, Scheduler, merge_calls
+from eyas.runtime.batch import GuessDecided, Lockstep, RowsCall, Scheduler, merge_calls
 from eyas.runtime.kv import slot_runs
 from eyas.steps import Forward
 from eyas.target import TargetSession
@@ -195,7 +195,8 @@ def test_a_failing_forward_fails_only_its_own_operations(world):
 
 def test_a_guess_runs_only_in_steps_no_other_operation_waits_for():
     """A speculative operation (drafting ahead) never joins a batch other operations wait on: it runs when nothing
-    else waits, and beside them once it is no longer a guess (the decision it guessed at has arrived)."""
+    else waits, and once it is no longer a guess (the decision it guessed at has arrived) it ends at the forward it
+    waits for, which does not run."""
 
     class Recorder:
         def __init__(self):
@@ -211,23 +212,26 @@ def test_a_guess_runs_only_in_steps_no_other_operation_waits_for():
     model = Recorder()
 
     def steps(name, n):
-        for i in range(n):
-            yield Forward(model, f"{name}{i}")
+        try:
+            for i in range(n):
+                yield Forward(model, f"{name}{i}")
+        except GuessDecided:
+            return "decided"
+        return "done"
 
     lockstep = Lockstep()
     guessing = True
-    lockstep.add(steps("guess", 3), speculative=lambda: guessing)
-    lockstep.add(steps("call", 2))
+    guess = lockstep.add(steps("guess", 3), speculative=lambda: guessing)
+    call = lockstep.add(steps("call", 2))
     lockstep.step(), lockstep.step()
-    assert model.batches == [["call0"], ["call1"]]  # the guess waited while the call did
+    assert model.batches == [["call0"], ["call1"]] and call.result == "done"  # the guess waited while the call ran
     lockstep.step()
     assert model.batches[-1] == ["guess0"]  # nothing else waits: the guess runs
     lockstep.add(steps("next", 1))
     guessing = False
     lockstep.step()
-    assert model.batches[-1] == ["guess1", "next0"]  # waited on now: it batches with the others
-    lockstep.step()
-    assert model.batches[-1] == ["guess2"] and not lockstep.waiting
+    assert model.batches[-1] == ["next0"] and guess.result == "decided"  # guess1 never ran
+    assert not lockstep.waiting and len(model.batches) == 4
 
 
 def test_more_requests_than_slots_wait_for_one(world):

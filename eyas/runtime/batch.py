@@ -127,6 +127,11 @@ def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return list(torch.split(x, lengths))
 
 
+class GuessDecided(Exception):
+    """Thrown into a speculative operation at the forward it waits for, once it is no longer a guess: what it guessed
+    at is decided, and that forward would only delay the call that waits for it."""
+
+
 class Operation:
     """One operation driven by a `Lockstep`: its result or error once done, the seconds it spent waiting for
     batch-mates (from asking for a forward to the start of the batch that ran it), and, where its lockstep keeps them,
@@ -135,7 +140,8 @@ class Operation:
     __slots__ = ("steps", "done", "speculative", "forward", "asked", "waited", "forwards", "result", "error")
 
     def __init__(self, steps: Steps, done: Callable[["Operation"], None], speculative: Callable[[], bool] | None = None):
-        """`speculative`: while it says so, the operation is a guess (drafting ahead) that gives way to the others."""
+        """`speculative`: while it says so, the operation is a guess (drafting ahead) that gives way to the others;
+        once it says no more, the operation gets `GuessDecided` at the forward it waits for."""
         self.steps = steps
         self.done = done
         self.speculative = speculative
@@ -157,7 +163,7 @@ class Lockstep:
     steps in a row runs next. A batch takes calls in arrival order up to `max_rows` rows (at least one call); an
     operation left out waits at the front. A failing batch raises in each of its operations, not in the driver.
     Speculative operations (trees drafted ahead) run only in steps no other operation waits for: they fill idle
-    time and never widen a batch that requests wait on.
+    time and never widen a batch that requests wait on; once decided, they end at the forward they wait for.
     """
 
     MAX_SKIPS = 16
@@ -198,7 +204,15 @@ class Lockstep:
 
     def step(self) -> None:
         """One batch of one model over the calls waiting for it, then every served operation resumes."""
-        certain = [op for op in self.waiting if op.speculative is None or not op.speculative()]
+        guesses = {id(op): op.speculative() for op in self.waiting if op.speculative is not None}
+        decided = [op for op in self.waiting if guesses.get(id(op)) is False]
+        if decided:  # their forwards would only delay what waits for them to end
+            self.waiting = [op for op in self.waiting if guesses.get(id(op)) is not False]
+            for op in decided:
+                self._resume(op, None, GuessDecided())
+            if not self.waiting:
+                return
+        certain = [op for op in self.waiting if not guesses.get(id(op))]
         ready = certain or self.waiting  # the guesses run when nothing else waits
         key, asked = self._next(ready)
         chosen = {id(op) for op in ready}
