@@ -291,17 +291,13 @@ class Scheduler:
 
     def submit(self, steps: Steps, speculative: Callable[[], bool] | None = None) -> "Future[Operation]":
         """Submit one operation; `speculative` as in `Operation`."""
-        future: Future = Future()
-        with self._cond:
-            self._incoming.append((steps, future, speculative))
-            self._cond.notify()
-        return future
+        return self.submit_many([steps], speculative)[0]
 
-    def submit_many(self, many: list[Steps]) -> "list[Future[Operation]]":
+    def submit_many(self, many: list[Steps], speculative: Callable[[], bool] | None = None) -> "list[Future[Operation]]":
         """Submit operations together: they join the lockstep at the same step, so their first forwards batch."""
         futures: list[Future] = [Future() for _ in many]
         with self._cond:
-            self._incoming.extend((steps, future, None) for steps, future in zip(many, futures))
+            self._incoming.extend((steps, future, speculative) for steps, future in zip(many, futures))
             self._cond.notify()
         return futures
 
