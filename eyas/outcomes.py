@@ -79,8 +79,9 @@ def observed_acceptance(tree: DraftTree, nodes: list[int], accepted: tuple[int, 
 def likeliest_outcomes(
     tree: DraftTree, nodes: list[int], candidates: list[list[tuple[int, float]]], rates: Calibration, count: int
 ) -> list[tuple[float, int, int]]:
-    """The `count` likeliest outcomes of verifying `nodes` of `tree`, likeliest first, as (probability, node n,
-    bonus b): the target accepts the path from the root to n, none of n's verified children, and then picks b.
+    """The `count` likeliest outcomes of verifying `nodes` of `tree` (a flattened tree's nodes, in row order),
+    likeliest first, as (probability, node n, bonus b): the target accepts the path from the root to n, none of n's
+    verified children, and then picks b.
 
     `candidates[i]`: the drafter's (token, probability) at nodes[i], best first. The path and the children's
     rejection are priced at the calibrated acceptance of each node's drafter probability; the bonus at the drafter's
@@ -91,7 +92,7 @@ def likeliest_outcomes(
     rate = rates.rates()
     accept = {n: rate[Calibration.bin(tree.confidences[n])] for n in nodes if n}
     reach = {0: 1.0}
-    for n in sorted(nodes, key=lambda n: tree.depths[n])[1:]:  # a parent before its children
+    for n in nodes[1:]:  # a flattened tree's rows: the root first, a parent before its children
         reach[n] = reach[tree.parents[n]] * accept[n]
     outcomes = []
     for n, tokens in zip(nodes, candidates):
