@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .drafters import Drafter
-from .drafters.layers import MLP, Attention, Rope, frozen_product
+from .drafters.eagle1 import Eagle1Layer
+from .drafters.eagle3 import Eagle3Layer
+from .drafters.layers import MLP, Attention, RMSNorm, Rope, frozen_product, rms_norm
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
@@ -25,7 +27,8 @@ from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
 from .runtime.linear import Linear, PackedLinear, pack_linears, packs
-from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, attention_block, mlp_block
+from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
+from .runtime.script import script
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -43,40 +46,68 @@ class DraftRows:
     probs: torch.Tensor | None = None
 
 
-def serve_attention(attn: Attention) -> None:
-    """Serve `attn` through the runtime's scripted attention (the target's own), over frozen copies of its weights
-    with q/k/v as one product (inference only from here)."""
+def served_weights(attn: Attention, mlp: MLP, post_norm: RMSNorm) -> tuple[AttentionWeights, MLPWeights]:
+    """Frozen copies of a drafter layer's weights for the runtime's scripted blocks: q/k/v as one product, gate/up as
+    one, the post-attention norm applied inside the MLP block (inference only from here)."""
     qkv = Linear(*frozen_product([attn.q_proj, attn.k_proj, attn.v_proj]))
     o = Linear(*frozen_product([attn.o_proj]))
-    weights = AttentionWeights(None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.packed, o.bias)
-    heads, kv_heads = attn.heads, attn.kv_heads
-
-    def block(x: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
-        return attention_block(x, weights, heads, kv_heads, 0.0, AttentionInputs(*rope, mask, *kv.scripted()), 0)
-
-    attn.serve(block)
-
-
-def serve_mlp(mlp: MLP) -> None:
-    """Serve `mlp` through the runtime's scripted MLP, over frozen copies of its weights with gate/up as one product."""
-    act = activation(mlp.act_name)
     gate_up = Linear(*frozen_product([mlp.gate_proj, mlp.up_proj]))
     down = Linear(*frozen_product([mlp.down_proj]))
-    weights = MLPWeights(None, gate_up.weight, gate_up.packed, down.weight, down.packed)
-    mlp.serve(lambda x: mlp_block(x, weights, act, 0.0))
+    attention = AttentionWeights(None, qkv.weight, qkv.bias, qkv.packed, None, o.weight, o.packed, o.bias)
+    return attention, MLPWeights(post_norm.weight.detach().clone(), gate_up.weight, gate_up.packed, down.weight, down.packed)
+
+
+@script
+def eagle3_layer(
+    embedding: torch.Tensor,
+    state: torch.Tensor,
+    input_norm: torch.Tensor,
+    hidden_norm: torch.Tensor,
+    attention: AttentionWeights,
+    mlp: MLPWeights,
+    heads: int,
+    kv_heads: int,
+    act: str,
+    eps: float,
+    at: AttentionInputs,
+) -> torch.Tensor:
+    """EAGLE-3's midlayer in one call: attention reads [normed embedding; normed state] [B, N, 2d], adds to the state
+    [B, N, d], then + MLP (eyas.drafters.eagle3.Eagle3Layer, bitwise)."""
+    x = torch.cat([rms_norm(embedding, input_norm, eps), rms_norm(state, hidden_norm, eps)], dim=-1)
+    return residual_layer(x, state, attention, mlp, heads, kv_heads, act, eps, at, 0)
+
+
+def serve_layer(layer: Eagle1Layer | Eagle3Layer) -> None:
+    """Serve a drafter's decoder layer as one call of the runtime's scripted blocks (runtime/model.py), over frozen
+    copies of its weights: a drafter step then comes back to Python once for its layer, not once per operator."""
+    attn, norm = layer.self_attn, layer.post_attention_layernorm
+    attention, mlp = served_weights(attn, layer.mlp, norm)
+    heads, kv_heads, act, eps = attn.heads, attn.kv_heads, activation(layer.mlp.act_name), norm.eps
+    if isinstance(layer, Eagle3Layer):
+        input_norm, hidden_norm = layer.input_layernorm.weight.detach().clone(), layer.hidden_norm.weight.detach().clone()
+
+        def midlayer(embedding: torch.Tensor, state: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
+            at = AttentionInputs(*rope, mask, *kv.scripted())
+            return eagle3_layer(embedding, state, input_norm, hidden_norm, attention, mlp, heads, kv_heads, act, eps, at)
+
+        layer.serve(midlayer)
+        return
+
+    def block(x: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
+        return residual_layer(x, x, attention, mlp, heads, kv_heads, act, eps, AttentionInputs(*rope, mask, *kv.scripted()), 0)
+
+    layer.serve(block)
 
 
 def serve_layers(drafter: Drafter) -> frozenset[int]:
-    """Serve every attention and MLP of `drafter` through the runtime's scripted blocks (inference only); returns the
-    ids of the linear layers they replace (those stay, unused, for the state dict)."""
+    """Serve every decoder layer of `drafter` through the runtime's scripted blocks (inference only); returns the ids
+    of the linear layers they replace (those stay, unused, for the state dict)."""
     replaced = set()
     for module in drafter.modules():
-        if isinstance(module, Attention):
-            serve_attention(module)
-            replaced |= {id(module.q_proj), id(module.k_proj), id(module.v_proj), id(module.o_proj)}
-        elif isinstance(module, MLP):
-            serve_mlp(module)
-            replaced |= {id(module.gate_proj), id(module.up_proj), id(module.down_proj)}
+        if isinstance(module, (Eagle1Layer, Eagle3Layer)):
+            serve_layer(module)
+            attn, mlp = module.self_attn, module.mlp
+            replaced |= {id(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)}
     return frozenset(replaced)
 
 
@@ -351,8 +382,8 @@ class DraftSession:
                 states.update(zip(expanded, out.states))
                 tokens, probs = out.tokens, out.probs  # [Q, width]
             start = time.perf_counter()
-            parents = torch.tensor(expanded).repeat_interleave(tokens.shape[1])
-            tree.add_expansion(expanded, parents, tokens.flatten(), probs.flatten(), top_k=True)
+            parents = [node for node in expanded for _ in range(tokens.shape[1])]  # each node's candidates in order
+            tree.add_expansion(expanded, parents, tokens.flatten().tolist(), probs.flatten().tolist(), top_k=True)
             tree_seconds += time.perf_counter() - start
         start = time.perf_counter()
         selected = tree.select(policy.budget)
@@ -470,12 +501,14 @@ class DraftSession:
         base = self.written
         visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
         visible[:, : self.committed] = True
+        seen_rows, seen_cols = [], []  # each node sees its path's rows: one write for all of them
         for i, node in enumerate(nodes):
             path_rows[node] = path_rows[tree.parents[node]] + [base + i]
-            visible[i, path_rows[node]] = True
+            seen_rows += [i] * len(path_rows[node])
+            seen_cols += path_rows[node]
+        visible[seen_rows, seen_cols] = True
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
-        tokens = torch.tensor([tree.tokens[n] for n in nodes])
-        positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])
+        tokens, positions = torch.tensor([[tree.tokens[n] for n in nodes], [prefix_len - 1 + tree.depths[n] for n in nodes]])
         return (yield from self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden, top_k)))
 
     def _run(self, call: RowsCall) -> Steps[DraftRows]:

@@ -9,6 +9,7 @@ every consumer of a `FlattenedTree` runs (written over lists in `eyas.treerows`)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,39 +111,43 @@ class DraftTree:
 
     def add_children(self, expanded: list[int], children: list[tuple[int, int, float]]) -> list[int]:
         """Record `(parent, token, confidence)` children of the `expanded` nodes; they become the new frontier."""
-        if not children:
-            return self.add_expansion(expanded, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0))
-        parents, tokens, confidences = zip(*children)
-        return self.add_expansion(
-            expanded,
-            torch.tensor(parents, dtype=torch.long),
-            torch.tensor(tokens, dtype=torch.long),
-            torch.tensor(confidences, dtype=torch.float64),
-        )
+        parents, tokens, confidences = zip(*children) if children else ((), (), ())
+        return self.add_expansion(expanded, list(parents), list(tokens), list(confidences))
 
     def add_expansion(
-        self, expanded: list[int], parents: torch.Tensor, tokens: torch.Tensor, confidences: torch.Tensor, top_k: bool = False
+        self,
+        expanded: list[int],
+        parents: Sequence[int] | torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor,
+        confidences: Sequence[float] | torch.Tensor,
+        top_k: bool = False,
     ) -> list[int]:
-        """Vectorised `add_children`: parents, tokens, confidences [n]. All records are validated before any
-        is stored, so a rejected expansion leaves the tree unchanged. `top_k`: the records are a drafter's
-        top-k of each expanded node in order (distinct tokens, at most one unit of mass under each parent by
-        construction), so only the confidences are checked."""
+        """Record a frontier of children at once: parents, tokens, confidences [n] (lists or tensors). All records
+        are validated before any is stored, so a rejected expansion leaves the tree unchanged. `top_k`: the records
+        are a drafter's top-k of each expanded node in order (distinct tokens, at most one unit of mass under each
+        parent by construction), so only the confidences are checked, in plain Python: a round grows its tree a
+        level at a time, a few records each, where tensor checks cost more than the records."""
         outside = sorted(set(expanded) - set(self.frontier))
         if outside:
             raise TreeError("parent", f"expanded node {outside[0]} is not in the latest frontier")
-        c = confidences.to(torch.float64)
-        bad = ~torch.isfinite(c) | (c < 0) | (c > 1)
-        if bad.any():
-            raise TreeError("confidence", f"must be a finite probability, got {float(c[bad][0])!r}")
+        parent_list, token_list, q_list = (x.tolist() if isinstance(x, torch.Tensor) else list(x) for x in (parents, tokens, confidences))
+        q_list = [float(q) for q in q_list]
+        bad = next((q for q in q_list if not 0.0 <= q <= 1.0), None)  # NaN and infinities fail the comparison too
+        if bad is not None:
+            raise TreeError("confidence", f"must be a finite probability, got {bad!r}")
         if not top_k:
-            self._check_records(expanded, parents, tokens, c)
-        parent_list = parents.tolist()
-        log_values = [self.log_values[p] + math.log(max(q, LOG_FLOOR)) for p, q in zip(parent_list, c.tolist())]
+            self._check_records(
+                expanded,
+                torch.tensor(parent_list, dtype=torch.long),
+                torch.tensor(token_list, dtype=torch.long),
+                torch.tensor(q_list, dtype=torch.float64),
+            )
+        log_values = [self.log_values[p] + math.log(max(q, LOG_FLOOR)) for p, q in zip(parent_list, q_list)]
         added = list(range(len(self), len(self) + len(parent_list)))
-        self.tokens += tokens.tolist()
+        self.tokens += [int(t) for t in token_list]
         self.parents += parent_list
         self.depths += [self.depths[p] + 1 for p in parent_list]
-        self.confidences += c.tolist()
+        self.confidences += q_list
         self.log_values += log_values
         self.frontier = added
         return added

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .keyed import keyed_token, target_log_probs
-from .treerows import AcceptanceDecision
+from .treerows import AcceptanceDecision, children
 from .sampling import SamplingParams
 from .tree import FlattenedTree
 
@@ -25,11 +25,11 @@ def accepted_path(tree: FlattenedTree, pick: Callable[[int], int]) -> tuple[list
 
     Returns the accepted rows (root first) and the target's pick at the last of them: the frontier token.
     """
-    tokens = tree.tokens.tolist()
+    tokens, parents, draft_probs = tree.tokens.tolist(), tree.parents.tolist(), tree.draft_probs.tolist()
     rows = [0]
     while True:
         chosen = pick(rows[-1])
-        match = [c for c in tree.children(rows[-1]) if tokens[c] == chosen]
+        match = [c for c in children(parents, draft_probs, rows[-1]) if tokens[c] == chosen]
         if not match:
             return rows, chosen
         rows.append(match[0])

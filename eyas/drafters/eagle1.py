@@ -11,10 +11,10 @@ from torch import nn
 from transformers import LlamaConfig
 
 from .base import Drafter
-from .layers import MLP, Attention, KVCache, RMSNorm
+from .layers import MLP, Attention, KVCache, RMSNorm, ServedLayer
 
 
-class Eagle1Layer(nn.Module):
+class Eagle1Layer(ServedLayer):
     """`layers.0`: attention and MLP with a post-attention norm, and no input norm."""
 
     def __init__(self, config: LlamaConfig):
@@ -24,6 +24,8 @@ class Eagle1Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, kv: KVCache, mask: torch.Tensor) -> torch.Tensor:
+        if self.serving(kv):
+            return self.served(x, rope, kv, mask)
         h = x + self.self_attn(x, rope, kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -19,8 +19,6 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin [B, Q, 1, head_dim] (see `rotate`)
-ServedAttention = Callable[[torch.Tensor, Rope, object, torch.Tensor], torch.Tensor]  # (x, rope, kv, mask) -> [B, Q, d]
-ServedMLP = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -54,10 +52,27 @@ def frozen_product(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     return weight, None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
-def check_inference(layer: nn.Module, what: str) -> None:
-    """A served layer runs frozen copies of its weights: refuse to run it where the weights it copies would be trained."""
-    if torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters()):
-        raise RuntimeError(f"{what}: the served layer is for inference; it does not follow training updates")
+class ServedLayer(nn.Module):
+    """A drafter's decoder layer that inference may run as one call of the runtime's scripted blocks (`serve`, see
+    eyas.proposer), over frozen copies of its weights. Over a growing `KVCache` (training's rollouts) it runs its own
+    modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served: Callable[..., torch.Tensor] | None = None  # the layer's forward, less the `KVCache` path
+
+    def serve(self, block: Callable[..., torch.Tensor]) -> None:
+        """Run inference through `block`, which takes what `forward` takes (inference only from here)."""
+        self.served = block
+
+    def serving(self, kv: object) -> bool:
+        """Whether this call runs the served block: it is set and `kv` is a pool's, not a growing `KVCache`. Refuses
+        where the weights the block copies would be trained."""
+        if self.served is None or isinstance(kv, KVCache):
+            return False
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise RuntimeError(f"{type(self).__name__}: the served layer is for inference; it does not follow training updates")
+        return True
 
 
 class KVCache:
@@ -150,11 +165,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             self.heads * self.head_dim, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
         )
-        self.served: ServedAttention | None = None  # serving: the runtime's attention over frozen copies (`serve`)
-
-    def serve(self, block: ServedAttention) -> None:
-        """Run inference through `block` (inference only from here)."""
-        self.served = block
 
     def forward(
         self,
@@ -163,11 +173,7 @@ class Attention(nn.Module):
         kv: KVCache,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [B, Q, in]; mask: [B, 1, Q, S] bool over all S keys after this append -> [B, Q, d]. A served layer runs
-        the runtime's attention over a KV pool; over a growing `KVCache` (training's rollouts) it runs this code."""
-        if self.served is not None and not isinstance(kv, KVCache):
-            check_inference(self, "attention")
-            return self.served(x, rope, kv, mask)
+        """x: [B, Q, in]; mask: [B, 1, Q, S] bool over all S keys after this append -> [B, Q, d]."""
         b, q_len, _ = x.shape
         cos, sin = rope
         q = rotate(self.q_proj(x).view(b, q_len, self.heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, H, Q, hd]
@@ -188,14 +194,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_name = str(config.hidden_act)
         self.act = ACT2FN[config.hidden_act]
-        self.served: ServedMLP | None = None  # serving: the runtime's MLP over frozen copies (`serve`)
-
-    def serve(self, block: ServedMLP) -> None:
-        """Run inference through `block` (inference only from here)."""
-        self.served = block
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.served is not None:
-            check_inference(self, "MLP")
-            return self.served(x)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -133,13 +133,22 @@ def mlp_block(x: torch.Tensor, w: MLPWeights, act: str, eps: float) -> torch.Ten
 
 
 @script
-def dense_layer(
-    x: torch.Tensor, attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, index: int
+def residual_layer(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    attention: AttentionWeights,
+    mlp: MLPWeights,
+    heads: int,
+    kv_heads: int,
+    act: str,
+    eps: float,
+    at: AttentionInputs,
+    index: int,
 ) -> torch.Tensor:
-    """A whole dense layer on one rank (no ranks' sums between the blocks) in one call: x [B, N, d] -> x + attention,
-    then + MLP."""
-    x = x + attention_block(x, attention, heads, kv_heads, eps, at, index)
-    return x + mlp_block(x, mlp, act, eps)
+    """A dense layer whose attention reads `x` [B, N, in] and adds to `residual` [B, N, d] (x itself in a decoder
+    layer; a drafter's state where its attention reads more than the state), then + MLP, in one call."""
+    h = residual + attention_block(x, attention, heads, kv_heads, eps, at, index)
+    return h + mlp_block(h, mlp, act, eps)
 
 
 @dataclass
@@ -325,7 +334,7 @@ class CausalLM:
             if index in taps:
                 tapped.append(x)
             if self.whole_layers:
-                x = dense_layer(x, layer.attention_weights, layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, at, index)
+                x = residual_layer(x, x, layer.attention_weights, layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, at, index)
                 continue
             x = x + self.attention(layer, index, x, at)
             y, chosen = self.mlp(layer, x)
