@@ -59,17 +59,8 @@ def served_weights(attn: Attention, mlp: MLP, post_norm: RMSNorm) -> tuple[Atten
 
 @script
 def eagle3_layer(
-    embedding: torch.Tensor,
-    state: torch.Tensor,
-    input_norm: torch.Tensor,
-    hidden_norm: torch.Tensor,
-    attention: AttentionWeights,
-    mlp: MLPWeights,
-    heads: int,
-    kv_heads: int,
-    act: str,
-    eps: float,
-    at: AttentionInputs,
+    embedding: torch.Tensor, state: torch.Tensor, input_norm: torch.Tensor, hidden_norm: torch.Tensor, attention: AttentionWeights,
+    mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs,
 ) -> torch.Tensor:
     """EAGLE-3's midlayer in one call: attention reads [normed embedding; normed state] [B, N, 2d], adds to the state
     [B, N, d], then + MLP (eyas.drafters.eagle3.Eagle3Layer, bitwise)."""

@@ -134,16 +134,7 @@ def mlp_block(x: torch.Tensor, w: MLPWeights, act: str, eps: float) -> torch.Ten
 
 @script
 def residual_layer(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    attention: AttentionWeights,
-    mlp: MLPWeights,
-    heads: int,
-    kv_heads: int,
-    act: str,
-    eps: float,
-    at: AttentionInputs,
-    index: int,
+    x: torch.Tensor, residual: torch.Tensor, attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, index: int
 ) -> torch.Tensor:
     """A dense layer whose attention reads `x` [B, N, in] and adds to `residual` [B, N, d] (x itself in a decoder
     layer; a drafter's state where its attention reads more than the state), then + MLP, in one call."""
