@@ -97,7 +97,9 @@ class Engine:
     @drafter.setter
     def drafter(self, drafter: Drafter) -> None:
         """Serve with another drafter (same target): its draft KV pool is sized like the target's."""
-        self.draft = DraftModel(drafter, self.target.pool.slots, self.target.max_seq_len, self.draft_ahead, graphs=self.graphs)
+        self.draft = DraftModel(
+            drafter, self.target.pool.slots, self.target.max_seq_len, self.draft_ahead, graphs=self.graphs, target_head=self.target.head
+        )
 
     @property
     def tuner(self) -> TreeTuner:

@@ -113,17 +113,20 @@ class DraftModel:
         ahead_trees: int = 0,
         ahead_runner: AheadRunner | None = None,
         graphs: bool | None = None,
+        target_head: Linear | None = None,
     ):
         """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified;
         `ahead_runner` runs that drafting beside the round (default: alone on a background thread); `graphs`: run
         the drafter's passes as CUDA graphs (runtime/graphs.py; None: where it is on CUDA; True on a CPU runs the same
-        fixed-shape batches eagerly)."""
+        fixed-shape batches eagerly); `target_head`: the target's own LM head when the target runs in this process,
+        whose packed copy a drafter bound to it multiplies by instead of a second one (on a CPU, vocabulary x hidden
+        floats less, and a copy the verification has just read)."""
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
         # inference only from here: every product, the target's head included, on prepacked weights
         pack_linears(drafter, skip=serve_layers(drafter))
         if drafter.bound:
-            drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head))
+            drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head, target_head))
         self.drafter = drafter
         self.ahead_trees = ahead_trees
         # how often the target accepts this drafter's nodes, the odds drafting ahead guesses by: fed by every round of

@@ -25,7 +25,7 @@ from .runtime.batch import Packed, RowsCall, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVPool
-from .runtime.linear import packs
+from .runtime.linear import Linear, packs
 from .runtime.model import CausalLM, ForwardOut
 from .runtime.shard import Lockstep, Shard
 from .sampling import SamplingParams
@@ -108,6 +108,13 @@ class TargetModel:
         head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device=self.runtime.device, dtype=self.runtime.dtype)
         head.weight = torch.nn.Parameter(self.runtime.lm_head, requires_grad=False)
         return head
+
+    @property
+    def head(self) -> Linear:
+        """The LM head as verification multiplies by it (with its oneDNN copy on a CPU), for a drafter bound to this
+        target in the same process to share (a whole model only)."""
+        self._check_whole("head")
+        return self.runtime.head
 
     def _check_whole(self, what: str) -> None:
         if self.runtime.shard.size > 1:

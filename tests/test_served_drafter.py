@@ -1,10 +1,12 @@
 """A served drafter layer (one call of the runtime's scripted blocks over a KV pool) computes what the layer's own
-modules compute over a growing KVCache, and refuses to run where its weights would be trained."""
+modules compute over a growing KVCache, and refuses to run where its weights would be trained; a drafter in its
+target's process multiplies by the target's own packed LM head."""
 
 import pytest
 import torch
 from tests.helpers.tiny import make_drafter, make_target
 
+from eyas import Engine
 from eyas.drafters import load_drafter
 from eyas.drafters.layers import KVCache, ServedLayer
 from eyas.proposer import DraftModel
@@ -67,3 +69,15 @@ def test_a_served_layer_refuses_to_run_where_its_weights_would_be_trained(target
         layer(x, rope, PassThroughKV(), mask)
     with torch.no_grad():
         assert layer(x, rope, PassThroughKV(), mask).shape == x.shape
+
+
+def test_a_drafter_in_its_targets_process_shares_the_targets_packed_head(target_dir, tmp_path):
+    drafter_dir = make_drafter(tmp_path / "eagle1", target_dir, "eagle1")
+    engine = Engine.from_pretrained(target_dir, drafter_dir, tree={"width": 1, "depth": 2, "budget": 2})
+    assert engine.target.head.packed is not None  # a CPU, float32: there is a packed copy to share
+    assert engine.draft.drafter.target_head.linear is engine.target.head
+    # a head over other storage (another load of the same target) is not shared: the drafter makes its own copy
+    target, other = TargetModel.from_pretrained(target_dir), TargetModel.from_pretrained(target_dir)
+    model = DraftModel(load_drafter(drafter_dir, target.embed, target.lm_head)[0], kv_slots=1, max_seq_len=64, target_head=other.head)
+    own = model.drafter.target_head.linear
+    assert own is not other.head and torch.equal(own.weight, other.head.weight)

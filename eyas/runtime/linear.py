@@ -77,6 +77,14 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of the same elements (same storage, offset, shape and strides)."""
+    return (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
 class Linear:
     """A frozen weight [out, in] (and bias [out]) for inference, with its oneDNN copy where that pays."""
 
@@ -97,12 +105,18 @@ class PackedLinear(nn.Module):
     """A frozen `nn.Linear` for inference: keeps `weight` / `bias` (so state dicts and shapes read the
     same) and multiplies through `Linear`."""
 
-    def __init__(self, layer: nn.Linear):
+    def __init__(self, layer: nn.Linear, shared: Linear | None = None):
+        """`shared`: a `Linear` that may already hold this layer's product (the target's own LM head, for a drafter
+        bound to it in the same process); used when its weight is the layer's own storage and neither has a bias,
+        so that one packed copy serves both, else the layer gets its own."""
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.weight = layer.weight
         self.bias = layer.bias
-        self.linear = Linear(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+        if shared is not None and layer.bias is None and shared.bias is None and same_tensor(shared.weight, layer.weight):
+            self.linear = shared
+        else:
+            self.linear = Linear(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
