@@ -168,10 +168,11 @@ class DraftModel:
         if asking:
             k = max(calls[i].top_k for i in asking)
             rows = [states[i][-1:] if calls[i].top_k_last else states[i] for i in asking]
-            tokens, probs = self.drafter.top_candidates(torch.cat(rows), k)  # [R', k]
+            tokens, probs = self.drafter.top_candidates(rows[0] if len(rows) == 1 else torch.cat(rows), k)  # [R', k]
             lengths = [r.shape[0] for r in rows]
             for i, t, p in zip(asking, split_rows(tokens, lengths), split_rows(probs, lengths)):
-                results[i].tokens, results[i].probs = t[:, : calls[i].top_k], p[:, : calls[i].top_k]
+                top_k = calls[i].top_k
+                results[i].tokens, results[i].probs = (t, p) if top_k == k else (t[:, :top_k], p[:, :top_k])
         return results
 
 
