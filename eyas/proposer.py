@@ -168,11 +168,10 @@ class DraftModel:
         if asking:
             k = max(calls[i].top_k for i in asking)
             rows = [states[i][-1:] if calls[i].top_k_last else states[i] for i in asking]
-            tokens, probs = self.drafter.top_candidates(rows[0] if len(rows) == 1 else torch.cat(rows), k)  # [R', k]
+            tokens, probs = self.drafter.top_candidates(torch.cat(rows), k)  # [R', k]
             lengths = [r.shape[0] for r in rows]
             for i, t, p in zip(asking, split_rows(tokens, lengths), split_rows(probs, lengths)):
-                top_k = calls[i].top_k
-                results[i].tokens, results[i].probs = (t, p) if top_k == k else (t[:, :top_k], p[:, :top_k])
+                results[i].tokens, results[i].probs = t[:, : calls[i].top_k], p[:, : calls[i].top_k]
         return results
 
 
@@ -496,14 +495,12 @@ class DraftSession:
         base = self.written
         visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
         visible[:, : self.committed] = True
-        seen_rows, seen_cols = [], []  # each node sees its path's rows: one write for all of them
         for i, node in enumerate(nodes):
             path_rows[node] = path_rows[tree.parents[node]] + [base + i]
-            seen_rows += [i] * len(path_rows[node])
-            seen_cols += path_rows[node]
-        visible[seen_rows, seen_cols] = True
+            visible[i, path_rows[node]] = True
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
-        tokens, positions = torch.tensor([[tree.tokens[n] for n in nodes], [prefix_len - 1 + tree.depths[n] for n in nodes]])
+        tokens = torch.tensor([tree.tokens[n] for n in nodes])
+        positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])
         return (yield from self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden, top_k)))
 
     def _run(self, call: RowsCall) -> Steps[DraftRows]:
