@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .outcomes import Calibration
+from .outcomes import Calibration, children_of
 from .proposer import DraftModel
 from .rounds import RoundRecord
 from .runtime.batch import RowsCall
@@ -259,9 +259,7 @@ class Replay:
         self.tree = tree
         self.accept = accept
         self.rates = rates
-        self.children: dict[int, list[int]] = {}
-        for node in range(1, len(tree)):
-            self.children.setdefault(tree.parents[node], []).append(node)
+        self.children = children_of(tree, list(range(len(tree))))
         for kids in self.children.values():
             kids.sort(key=lambda n: -tree.confidences[n])
         self._by_budget: dict[tuple[int, int], list[float]] = {}
