@@ -413,19 +413,11 @@ class DraftSession:
                 return
             # the bonus rows: each bonus b as a child of its node n, one drafter step for all of them
             base = self.written
-            visible = torch.zeros(len(outcomes), base + len(outcomes), dtype=torch.bool)
-            visible[:, : self.committed] = True
-            for i, (_, n, _) in enumerate(outcomes):
-                visible[i, path_rows[n] + [base + i]] = True
-            roots = (yield from self._run(
-                RowsCall(
-                    self.slot,
-                    base,
-                    torch.tensor([b for _, _, b in outcomes]),
-                    torch.tensor([prefix_len + tree.depths[n] for _, n, _ in outcomes]),
-                    visible,
-                    torch.stack([states[n] for _, n, _ in outcomes]),
-                )
+            roots = (yield from self._run_rows(
+                [path_rows[n] for _, n, _ in outcomes],
+                [b for _, _, b in outcomes],
+                [prefix_len + tree.depths[n] for _, n, _ in outcomes],
+                torch.stack([states[n] for _, n, _ in outcomes]),
             )).states  # [T, d]
             growths = [
                 self._grow(
@@ -493,15 +485,24 @@ class DraftSession:
         """Run the drafter on tree nodes: each sees the committed rows, its draft ancestors and itself; with `top_k`,
         also each node's top-k children candidates."""
         base = self.written
-        visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
-        visible[:, : self.committed] = True
+        ancestors = [path_rows[tree.parents[n]] for n in nodes]
         for i, node in enumerate(nodes):
-            path_rows[node] = path_rows[tree.parents[node]] + [base + i]
-            visible[i, path_rows[node]] = True
+            path_rows[node] = ancestors[i] + [base + i]
         hidden = torch.stack([states[tree.parents[n]] for n in nodes])  # [Q, d]
-        tokens = torch.tensor([tree.tokens[n] for n in nodes])
-        positions = torch.tensor([prefix_len - 1 + tree.depths[n] for n in nodes])
-        return (yield from self._run(RowsCall(self.slot, base, tokens, positions, visible, hidden, top_k)))
+        positions = [prefix_len - 1 + tree.depths[n] for n in nodes]
+        return (yield from self._run_rows(ancestors, [tree.tokens[n] for n in nodes], positions, hidden, top_k))
+
+    def _run_rows(
+        self, ancestors: list[list[int]], tokens: list[int], positions: list[int], hidden: torch.Tensor, top_k: int = 0
+    ) -> Steps[DraftRows]:
+        """Run the drafter on new rows after `written` (hidden [Q, d]): row i sees the committed rows, the draft rows
+        `ancestors[i]` and itself."""
+        base = self.written
+        visible = torch.zeros(len(tokens), base + len(tokens), dtype=torch.bool)
+        visible[:, : self.committed] = True
+        for i, rows in enumerate(ancestors):
+            visible[i, rows + [base + i]] = True
+        return (yield from self._run(RowsCall(self.slot, base, torch.tensor(tokens), torch.tensor(positions), visible, hidden, top_k)))
 
     def _run(self, call: RowsCall) -> Steps[DraftRows]:
         """Write `call`'s rows into this session's slot and return their drafter outputs."""
