@@ -22,7 +22,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from eyas import wire
-from eyas.autotree import EXPLORING_TREES
+from eyas.autotree import EXPLORATIONS
 from eyas.rounds import Proposal, Verification
 from eyas.treerows import check_fit
 from eyas.rpc import call_metadata, field_of
@@ -346,7 +346,7 @@ class RemoteDraft(RemoteSession):
 
         def build():
             msg = pb.DraftRequest(
-                ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORING_TREES
+                ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
             )
             if self._reseed is not None:
                 v, features, tokens = self._reseed

@@ -11,8 +11,7 @@ high-entropy target decoded greedily) its deep paths go unverified. Exploration 
 trees in turn: the wide one (scores width 3 and up), a narrow one of width 2 whose budget verifies
 every node it records (scores width 2 exactly), and a deep chain (scores chains exactly). Nodes a wide
 round left unverified count at the acceptance rate verified nodes of the same drafter probability had
-(`Calibration`), not at 0. The wide tree verifies 64 nodes where rows are nearly free (a GPU's forward), 32
-where every row costs (a CPU's; `exploring_trees`). Expected tokens per round over predicted round time picks the policy.
+(`Calibration`), not at 0. Expected tokens per round over predicted round time picks the policy.
 Realised acceptance is watched; when it drifts from the prediction, or after a while, the tuner
 explores again.
 
@@ -55,13 +54,10 @@ def reachable(width: int, depth: int) -> int:
     return width + (depth - 1) * width * width
 
 
-EXPLORE = TreePolicy(width=8, depth=8, budget=64)  # the wide exploring tree where rows are nearly free; the largest tree
-EXPLORE_FEWER_ROWS = TreePolicy(width=8, depth=8, budget=32)  # the same expansion, where every verified row costs
+EXPLORE = TreePolicy(width=8, depth=8, budget=64)
 EXPLORE_CHAIN = TreePolicy(width=1, depth=EXPLORE.depth, budget=EXPLORE.depth)
 EXPLORE_NARROW = TreePolicy(width=2, depth=EXPLORE.depth, budget=reachable(2, EXPLORE.depth))  # verifies all it records
-EXPLORATIONS = (EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN)  # in the order exploring rounds take them (rows nearly free)
-EXPLORING_TREES = frozenset((*EXPLORATIONS, EXPLORE_FEWER_ROWS))  # every tree an exploring round may draft
-FREE_ROWS = 1.5  # verifying EXPLORE's rows costs at most this many one-row verifications: rows are nearly free
+EXPLORATIONS = (EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN)  # in the order exploring rounds take them
 LOCKSTEP_ROUNDS = 8  # rounds at a concurrency before its lockstep cost per level counts (and the choice is redone)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -78,15 +74,6 @@ def grid() -> list[TreePolicy]:
         for d in range(1, EXPLORE.depth + 1):
             policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable(k, d)]
     return policies
-
-
-def exploring_trees(costs: Costs) -> tuple[TreePolicy, TreePolicy, TreePolicy]:
-    """The exploring trees for this machine's costs, wide first. Where verifying EXPLORE's 65 rows costs about one row
-    (a GPU's forward), the wide tree verifies them all. Where every row costs (a CPU's), it verifies its 32 likeliest
-    nodes, as many as the narrow tree: the rest cost a wide round more than the policies they would score can pay
-    there, and a policy of a larger budget still counts its unverified nodes at their calibrated rate."""
-    free = costs.verify_at(EXPLORE.budget + 1) <= FREE_ROWS * costs.verify_at(1)
-    return (EXPLORE if free else EXPLORE_FEWER_ROWS, EXPLORE_NARROW, EXPLORE_CHAIN)
 
 
 def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
@@ -308,7 +295,7 @@ class Replay:
 
 
 class Explored:
-    """The last `size` explored rounds of one kind of exploring tree and, for every policy scored so far, its
+    """The last `size` explored rounds of one of EXPLORATIONS and, for every policy scored so far, its
     total expected tokens per round over them, kept up to date as rounds come and go: scoring the grid again after
     each new round costs one replay of that round, not one of every round."""
 
@@ -368,11 +355,11 @@ class TreeTuner:
     """
 
     costs: Costs
-    explore_rounds: int = 18  # the three `explorations` in turn: acceptance varies a lot from round to round
+    explore_rounds: int = 18  # the three EXPLORATIONS in turn: acceptance varies a lot from round to round
     explore_every: int = 48  # after those, one round in this many (per request) explores again; 0: never
     revisit_every: int = 400
     drift: float = 0.25
-    explored: Explored = field(default_factory=Explored)  # the last wide rounds
+    explored: Explored = field(default_factory=Explored)  # the last EXPLORE rounds
     explored_narrow: Explored = field(default_factory=Explored)  # the last EXPLORE_NARROW rounds
     explored_chains: Explored = field(default_factory=Explored)  # the last EXPLORE_CHAIN rounds
     calibration: Calibration = field(default_factory=Calibration)  # for the nodes exploring rounds left unverified
@@ -386,45 +373,43 @@ class TreeTuner:
     history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
     refreshes: int = 0  # exploring rounds run since the first exploration
     _credit: float = 0.0  # rounds towards the next exploring one, each over the requests stepping with it
-    explorations: tuple[TreePolicy, ...] = field(init=False)  # wide, narrow, chain: what exploring rounds draft in turn
 
     def __post_init__(self) -> None:
         self.exploring = self.explore_rounds
-        self.explorations = exploring_trees(self.costs)
 
     @property
     def current(self) -> TreePolicy:
-        """The policy of a request running alone (the wide exploring tree until something was explored). One lookup,
-        so a reader outside the engine's tuner lock never meets a choice cleared between a check and a read."""
+        """The policy of a request running alone (EXPLORE until something was explored). One lookup, so a reader
+        outside the engine's tuner lock never meets a choice cleared between a check and a read."""
         alone = self.choices.get(1)
-        return alone.policy if alone is not None else self.explorations[0]
+        return alone.policy if alone is not None else EXPLORE
 
     def policy(self, concurrent: int = 1) -> TreePolicy:
-        """The next round's policy when `concurrent` requests step together: exploration rounds take `explorations`
+        """The next round's policy when `concurrent` requests step together: exploration rounds take EXPLORATIONS
         in turn, then the chosen one, with one exploring round in every `explore_every` per request."""
         if self.exploring:
             turn = self.explore_rounds - self.exploring
             self.exploring -= 1
-            return self.explorations[turn % len(self.explorations)]
+            return EXPLORATIONS[turn % len(EXPLORATIONS)]
         if self.explore_every:
             self._credit += 1.0 / concurrent
             if self._credit >= self.explore_every:
                 self._credit = 0.0
                 self.refreshes += 1
-                return self.explorations[(self.refreshes - 1) % len(self.explorations)]
+                return EXPLORATIONS[(self.refreshes - 1) % len(EXPLORATIONS)]
         return self.choice(concurrent).policy
 
     def choice(self, concurrent: int) -> Choice:
         if concurrent not in self.choices:
             self.choose(concurrent)
-        return self.choices.get(concurrent) or Choice(self.explorations[0], 0.0, 0.0)
+        return self.choices.get(concurrent) or Choice(EXPLORE, 0.0, 0.0)
 
     def observe(self, record: RoundRecord, concurrent: int = 1) -> None:
         """Fold in one finished round (run beside `concurrent - 1` others): an exploring round is kept and every
         concurrency chooses again; a chosen round's acceptance is checked against its prediction, and on drift or
         after a while the tuner explores again."""
         self._measure_lockstep(record, concurrent)
-        if record.policy in self.explorations:
+        if record.policy in EXPLORATIONS:
             self._explored(record, concurrent)
             self.choices.clear()  # every concurrency chooses again, on the rounds explored so far
             return
@@ -474,7 +459,7 @@ class TreeTuner:
         turns at it (`Costs.round_seconds`)."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
-        policy = record.policy or self.explorations[0]
+        policy = record.policy or EXPLORE
         model = self.costs.model_seconds(policy, record.decision.num_accepted + 1)
         tree = seconds.get("tree", 0.0)
         rest = max(0.0, observed - model - tree)
@@ -497,7 +482,7 @@ class TreeTuner:
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
-        if concurrent > 1 and policy in self.explorations:
+        if concurrent > 1 and policy in EXPLORATIONS:
             return  # its batch-mates drafted other trees: what its levels took says nothing about theirs
         model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent)
         samples = self.levels.setdefault(concurrent, deque(maxlen=64))
@@ -516,13 +501,12 @@ class TreeTuner:
         """Explored rounds that measure `policy`: the chain rounds for a chain, the narrow-tree rounds (which verify
         every node a policy of width 2 can record) for width 2, the wide-tree rounds otherwise; any kind there is
         while that one has none."""
-        kind = EXPLORE_CHAIN if policy.width == 1 else EXPLORE_NARROW if policy.width == 2 else self.explorations[0]
+        kind = EXPLORE_CHAIN if policy.width == 1 else EXPLORE_NARROW if policy.width == 2 else EXPLORE
         return self.rounds_of(kind) or self.explored or self.explored_narrow or self.explored_chains
 
     def rounds_of(self, exploration: TreePolicy) -> Explored:
-        """Where the rounds of one of `explorations` are kept."""
-        wide, narrow, chain = self.explorations
-        return {wide: self.explored, narrow: self.explored_narrow, chain: self.explored_chains}[exploration]
+        """Where the rounds of one of EXPLORATIONS are kept."""
+        return {EXPLORE: self.explored, EXPLORE_NARROW: self.explored_narrow, EXPLORE_CHAIN: self.explored_chains}[exploration]
 
     def _any_explored(self) -> bool:
         """Whether any exploring round has been kept yet."""

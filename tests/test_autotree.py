@@ -14,9 +14,7 @@ from eyas.autotree import (
     EXPLORATIONS,
     EXPLORE,
     EXPLORE_CHAIN,
-    EXPLORE_FEWER_ROWS,
     EXPLORE_NARROW,
-    EXPLORING_TREES,
     LOCKSTEP_ROUNDS,
     MIN_OBSERVED,
     Costs,
@@ -148,24 +146,6 @@ def test_after_the_first_rounds_one_in_explore_every_explores_again_per_request(
     for _ in range(16):
         together.policy(2)
     assert together.refreshes == 2
-
-
-def test_the_wide_exploring_tree_verifies_fewer_rows_where_every_row_costs(engine):
-    """Where 65 rows cost about one, the wide tree verifies 64 nodes; where each row costs, the same expansion verifies
-    32, its rounds are kept as the wide ones, and the output stays exact."""
-    cheap = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]))
-    assert cheap.explorations == EXPLORATIONS and cheap.current == EXPLORE
-    costly = TreeTuner(Costs([1, 65], [0.006, 0.020], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=0)
-    assert costly.explorations == (EXPLORE_FEWER_ROWS, EXPLORE_NARROW, EXPLORE_CHAIN) and costly.current == EXPLORE_FEWER_ROWS
-    assert (EXPLORE_FEWER_ROWS.width, EXPLORE_FEWER_ROWS.depth) == (EXPLORE.width, EXPLORE.depth)  # the same expansion
-    assert set(costly.explorations) | set(cheap.explorations) <= EXPLORING_TREES  # a worker sends their records
-    rounds = []
-    gen = generate_auto(engine, costly, max_new_tokens=30, on_round=rounds.append)
-    assert gen.token_ids == engine.drafter.reference[len(PROMPT) : len(PROMPT) + 30]
-    assert [r.policy for r in rounds[:3]] == [EXPLORE_FEWER_ROWS, EXPLORE_NARROW, EXPLORE_CHAIN]
-    assert rounds[0].tree.num_rows == EXPLORE_FEWER_ROWS.budget + 1 and len(rounds[0].draft_tree) > EXPLORE_FEWER_ROWS.budget + 1
-    assert len(costly.explored) == len(costly.explored_narrow) == len(costly.explored_chains) == 1
-    assert all(r.policy not in costly.explorations for r in rounds[3:])
 
 
 def test_nodes_a_wide_round_left_unverified_count_at_their_calibrated_rate():
