@@ -372,6 +372,7 @@ class TreeTuner:
     since_choice: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
     refreshes: int = 0  # exploring rounds run since the first exploration
+    explorations: int = 0  # exploring rounds handed out so far: the first exploration, after drifts, refreshes
     _credit: float = 0.0  # rounds towards the next exploring one, each over the requests stepping with it
 
     def __post_init__(self) -> None:
@@ -390,12 +391,14 @@ class TreeTuner:
         if self.exploring:
             turn = self.explore_rounds - self.exploring
             self.exploring -= 1
+            self.explorations += 1
             return EXPLORATIONS[turn % len(EXPLORATIONS)]
         if self.explore_every:
             self._credit += 1.0 / concurrent
             if self._credit >= self.explore_every:
                 self._credit = 0.0
                 self.refreshes += 1
+                self.explorations += 1
                 return EXPLORATIONS[(self.refreshes - 1) % len(EXPLORATIONS)]
         return self.choice(concurrent).policy
 

@@ -139,13 +139,13 @@ def test_after_the_first_rounds_one_in_explore_every_explores_again_per_request(
     for kind in EXPLORATIONS:
         assert len(tuner.rounds_of(kind)) == sum(r.policy == kind for r in rounds)
     refreshed = [i for i, r in enumerate(rounds[3:], 3) if r.policy in EXPLORATIONS]
-    assert tuner.refreshes == len(refreshed)
+    assert tuner.refreshes == len(refreshed) and tuner.explorations == 3 + len(refreshed)
     assert len(tuner.history) >= 1 + sum(i + 1 < len(rounds) for i in refreshed)  # the round after one chooses again
     together = TreeTuner(tuner.costs, explore_rounds=0, explore_every=4)
     together.explored, together.explored_narrow, together.explored_chains = tuner.explored, tuner.explored_narrow, tuner.explored_chains
     for _ in range(16):
         together.policy(2)
-    assert together.refreshes == 2
+    assert together.refreshes == together.explorations == 2
 
 
 def test_nodes_a_wide_round_left_unverified_count_at_their_calibrated_rate():

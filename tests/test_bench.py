@@ -54,7 +54,8 @@ def test_bench_record_has_every_system_and_ratio(tmp_path, capsys):
 
 def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     target = make_target(tmp_path / "t")
-    engine = Engine.from_pretrained(target, make_drafter(tmp_path / "e3", target, "eagle3"), tree={"width": 2, "depth": 2, "budget": 4})
+    drafter = make_drafter(tmp_path / "e3", target, "eagle3")
+    engine = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4})
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     phases = verify_phases(engine, hf, list(range(5, 25)), (1, 3), repeats=2)
     assert [r["rows"] for r in phases["rows"]] == [1, 3] and phases["plain_step_ms"] > 0
@@ -65,6 +66,10 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6, trees=("1,2,2",))
     assert batch["identical_outputs"] and batch["requests"] == 3 and batch["batch_tokens_per_s"] > 0
     assert batch["batch_tree_1/2/2"]["identical_outputs"] and batch["batch_tree_1/2/2"]["batch_tokens_per_s"] > 0
+    auto = Engine.from_pretrained(target, drafter, tree="auto")
+    counted = batching(auto, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6)["tree_auto"]
+    assert counted["exploring_rounds_one_at_a_time"] > 0  # a fresh tuner's first exploration
+    assert counted["exploring_rounds_one_at_a_time"] + counted["exploring_rounds_batch"] == auto.tuner.explorations
     exact = greedy_vs_hf(engine, hf, [[5, 6, 7], [8, 9]], max_new_tokens=6)
     assert exact == {"prompts": 2, "identical": 2, "tokens_before_first_difference": 1.0}
     assert engine.target.pool.free_slots == engine.target.pool.slots

@@ -184,20 +184,30 @@ def context_scaling(
 
 def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, trees: tuple[str, ...] = ()) -> dict:
     """Aggregate tokens/s of `generate_batch` over the prompts against the same prompts one at a time (both with the
-    engine's tree); then the batch again with each fixed tree of `trees` ("width,depth,budget")."""
+    engine's tree); then the batch again with each fixed tree of `trees` ("width,depth,budget"). Under tree auto, also
+    how many exploring rounds the requests ran one at a time and in the batch (in a batch, an exploring round costs
+    every batch-mate time), and the tree last chosen for the batch's concurrency."""
+    tuner = engine.tuner if engine.tree == "auto" else None
+
+    def explorations() -> int:
+        return tuner.explorations if tuner is not None else 0
+
+    explored = explorations()
     start = time.perf_counter()
     alone = [engine.generate(p, max_new_tokens=max_new_tokens, stop_at_eos=False) for p in prompts]
     alone_rate = sum(len(g.token_ids) for g in alone) / (time.perf_counter() - start)
+    explored_alone = explorations() - explored
 
-    def batch(tree: dict | None) -> tuple[float, bool]:
+    def batch(tree: dict | None) -> tuple[float, bool, int]:
         if engine.target.graphs is not None:  # untimed: captures the batch's graph shapes
             engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
+        explored = explorations()
         start = time.perf_counter()
         together = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
         rate = sum(len(g.token_ids) for g in together) / (time.perf_counter() - start)
-        return rate, [g.token_ids for g in alone] == [g.token_ids for g in together]
+        return rate, [g.token_ids for g in alone] == [g.token_ids for g in together], explorations() - explored
 
-    rate, identical = batch(None)
+    rate, identical, explored_batch = batch(None)
     record = {
         "requests": len(prompts),
         "one_at_a_time_tokens_per_s": alone_rate,
@@ -205,8 +215,15 @@ def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, tree
         "batch_over_one_at_a_time": rate / alone_rate,
         "identical_outputs": identical,
     }
+    if tuner is not None:
+        chosen = [h["policy"] for h in tuner.history if h["concurrent"] == len(prompts)]
+        record["tree_auto"] = {
+            "exploring_rounds_one_at_a_time": explored_alone,
+            "exploring_rounds_batch": explored_batch,
+            "batch_tree": vars(chosen[-1]) if chosen else None,
+        }
     for tree in trees:
-        rate, identical = batch(dict(zip(("width", "depth", "budget"), map(int, tree.split(",")))))
+        rate, identical, _ = batch(dict(zip(("width", "depth", "budget"), map(int, tree.split(",")))))
         record[f"batch_tree_{tree.replace(',', '/')}"] = {
             "batch_tokens_per_s": rate, "batch_over_one_at_a_time": rate / alone_rate, "identical_outputs": identical
         }
