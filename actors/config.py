@@ -90,6 +90,7 @@ class ServiceConfig:
     target: str | None = None
     drafter: str | None = None
     dtype: str = "auto"
+    draft_dtype: str = "auto"
     feature_layers: tuple[int, ...] | None = None
     allow_manifest_mismatch: bool = False
     tree: TreePolicy | str = "auto"  # "auto": the coordinator's tuner chooses each round's tree (eyas.autotree)
@@ -120,7 +121,7 @@ class ServiceConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "ServiceConfig":
         sections = _take(data, "", {"models", "tree", "pools", "network", "service", "ray"})
-        models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "feature_layers", "allow_manifest_mismatch"})
+        models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "draft_dtype", "feature_layers", "allow_manifest_mismatch"})
         pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
         network = _take(sections.get("network") or {}, "network.", {"host", "token"})
         service = _take(sections.get("service") or {}, "service.", {"max_active", "kv_slots", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
@@ -140,6 +141,7 @@ class ServiceConfig:
             target=_path(models.get("target")),
             drafter=_path(models.get("drafter")),
             dtype=models.get("dtype", "auto"),
+            draft_dtype=models.get("draft_dtype", "auto"),
             feature_layers=tuple(layers) if layers is not None else None,
             allow_manifest_mismatch=bool(models.get("allow_manifest_mismatch", False)),
             tree=tree,
@@ -154,8 +156,9 @@ class ServiceConfig:
         return config
 
     def check(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ConfigError(f"models.dtype: {self.dtype!r} is not auto or one of {sorted(DTYPES)}")
+        for key in ("dtype", "draft_dtype"):
+            if getattr(self, key) != "auto" and getattr(self, key) not in DTYPES:
+                raise ConfigError(f"models.{key}: {getattr(self, key)!r} is not auto or one of {sorted(DTYPES)}")
         self.draft_pool.check("draft")
         self.target_pool.check("target")
         if type(self.max_active) is not int or self.max_active < 1:
@@ -200,6 +203,7 @@ class ServiceConfig:
             drafter=drafter,
             tree_limit=self.tree_limit,
             dtype=self.dtype,
+            draft_dtype=self.draft_dtype,
             feature_layers=self.feature_layers,
             allow_manifest_mismatch=self.allow_manifest_mismatch,
             host=self.host,

@@ -21,7 +21,7 @@ from eyas.drafters import load_drafter
 from eyas.errors import VersionError
 from eyas.manifest import fingerprint_target
 from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
-from eyas.runtime.device import resolve_dtype, stored_dtype
+from eyas.runtime.device import resolve_draft_dtype, resolve_dtype, stored_dtype
 from eyas.proposer import DraftModel, DraftSession
 from eyas.runtime.batch import Operation
 from eyas.steps import Steps
@@ -45,7 +45,7 @@ class DraftWorker(Worker):
         plan = plan_drafter(spec.drafter, target_num_layers(spec.target), spec.feature_layers)
         config = json.loads(Path(spec.target, "config.json").read_text())
         self.manifest = plan.manifest(fingerprint_target(spec.target, config), spec.allow_manifest_mismatch)
-        dtype = resolve_dtype(spec.dtype, self.device, stored_dtype(spec.target))
+        dtype = resolve_draft_dtype(spec.draft_dtype, resolve_dtype(spec.dtype, self.device, stored_dtype(spec.target)), self.device)
         embed, lm_head = load_embedding_and_head(spec.target)
         embed, lm_head = embed.to(self.device, dtype), lm_head.to(self.device, dtype)  # bound by reference: cast here
         drafter, _ = load_drafter(spec.drafter, embed, lm_head)

@@ -45,6 +45,7 @@ class WorkerSpec:
     drafter: str
     tree_limit: TreePolicy
     dtype: str = "auto"
+    draft_dtype: str = "auto"  # a draft worker's drafter (eyas.runtime.device.resolve_draft_dtype)
     feature_layers: tuple[int, ...] | None = None
     allow_manifest_mismatch: bool = False
     host: str = "127.0.0.1"

@@ -29,6 +29,7 @@ DEMO_ONLY = {"target": ("target",), "draft-lm": ("draft-lm",), "eagle1": ("eagle
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
+    parser.add_argument("--draft-dtype", default="auto", help="with --local, the drafter's dtype: auto (the target's, but bfloat16 beside a float32 target on a CPU with bf16 units), float32, bfloat16 or float16; a service uses its config's models.draft_dtype")
     parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the three knobs, --local tunes the tree itself and a service uses its config's tree, auto by default)")
     parser.add_argument("--top-k", type=int, dest="ambiguous_top_k", help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help="tree depth (default 5)")
@@ -174,7 +175,7 @@ def generate_local(args: argparse.Namespace) -> int:
     quiet_loading()
     target, drafter = resolve_models(args)
     engine = Engine.from_pretrained(
-        target, drafter, tree=tree_args(args) or "auto", allow_manifest_mismatch=args.allow_manifest_mismatch
+        target, drafter, tree=tree_args(args) or "auto", allow_manifest_mismatch=args.allow_manifest_mismatch, draft_dtype=args.draft_dtype
     )
     tokenizer = engine.target.tokenizer
 

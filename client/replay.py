@@ -165,6 +165,13 @@ def replay_trace(
     report = ReplayReport(requests=len(requests), violations=check_trace(requests))
     report.notes += [f"{trace.path}: {p}" for p in trace.problems]
     report.notes += manifest_notes(requests, target)
+    if drafter is not None and drafter.dtype != target.runtime.dtype:
+        names = [str(dtype).removeprefix("torch.") for dtype in (drafter.dtype, target.runtime.dtype)]
+        report.notes.append(
+            f"the drafter runs in {names[0]} beside a {names[1]} target: it rounds the target's features, whose last bits "
+            "differ between a batched and a lone forward, so a tree drafted beside batch-mates may be redrafted otherwise "
+            "where candidates nearly tie; a float32 drafter (models.draft_dtype, --draft-dtype) on both sides redrafts it as recorded"
+        )
     for request in requests:
         divergence = replay_request(request, target, drafter, report, tolerance, label)
         if divergence is not None:

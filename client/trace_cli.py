@@ -32,7 +32,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     quiet_loading()
     target_dir = args.target or demo_model("target")
     if args.redraft:
-        engine = Engine.from_pretrained(target_dir, args.drafter or demo_model(DEFAULT_DRAFTER))
+        engine = Engine.from_pretrained(target_dir, args.drafter or demo_model(DEFAULT_DRAFTER), draft_dtype=args.draft_dtype)
         target, drafter = engine.target, engine.drafter
     else:
         target, drafter = TargetModel.from_pretrained(target_dir), None
@@ -113,6 +113,7 @@ def add_trace_commands(sub: argparse._SubParsersAction) -> None:
     replay.add_argument("--target", help="target model directory (default: the bundled demo target)")
     replay.add_argument("--drafter", help="drafter directory for --redraft (default: the bundled demo drafter)")
     replay.add_argument("--redraft", action="store_true", help="also run the drafter again and compare its trees")
+    replay.add_argument("--draft-dtype", default="auto", help="the redrafting drafter's dtype: auto (as the engine chooses), float32, bfloat16 or float16")
     replay.add_argument("--tolerance", type=float, default=1e-6, help="largest probability difference called identical")
     replay.set_defaults(func=cmd_replay)
 

@@ -25,7 +25,7 @@ from .proposer import DraftModel, DraftSession
 from .request import RequestState, StopRules, eos_token_ids, make_sampling, tokenize_prompt
 from .rounds import RoundRecord, round_steps, start_steps
 from .runtime.batch import Lockstep, Operation, results
-from .runtime.device import resolve_device, resolve_dtype, stored_dtype
+from .runtime.device import resolve_device, resolve_draft_dtype, resolve_dtype, stored_dtype
 from .runtime.kv import TREE_HEADROOM
 from .stats import GenerationStats
 from .steps import Steps
@@ -123,10 +123,13 @@ class Engine:
         max_seq_len: int | None = None,
         draft_ahead: int = 0,
         graphs: bool | None = None,
+        draft_dtype: torch.dtype | str | None = None,
     ) -> "Engine":
         """Load a target directory and a drafter directory onto `device` (cpu, cuda, cuda:N), checking the manifest.
 
-        dtype None: float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16 (see resolve_dtype). The KV pool holds `kv_slots` requests of up to
+        dtype None: float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16 (see resolve_dtype).
+        draft_dtype None: the target's, but bfloat16 beside a float32 target on a CPU with bf16 products (the drafter
+        only proposes: see resolve_draft_dtype). The KV pool holds `kv_slots` requests of up to
         `max_seq_len` tokens (default: the target's maximum positions). `graphs`: run the forwards of rounds as CUDA
         graphs (None: on CUDA, where the target is dense; runtime/graphs.py).
         """
@@ -137,8 +140,11 @@ class Engine:
             target, plan.address, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len, graphs=graphs
         )
         manifest = plan.manifest(target_model.fingerprint, allow_manifest_mismatch)
-        drafter_model, _ = load_drafter(drafter, target_model.embed, target_model.lm_head)
-        return cls(target_model, drafter_model.to(device=device, dtype=dtype), manifest, tree, draft_ahead, graphs)
+        draft_dtype = resolve_draft_dtype(draft_dtype, dtype, device)
+        # bound by reference: a drafter in another dtype binds copies in its own
+        embed, lm_head = target_model.embed.to(dtype=draft_dtype), target_model.lm_head.to(dtype=draft_dtype)
+        drafter_model, _ = load_drafter(drafter, embed, lm_head)
+        return cls(target_model, drafter_model.to(device=device, dtype=draft_dtype), manifest, tree, draft_ahead, graphs)
 
     def sessions(self, request: RequestState, wait: bool = False) -> tuple[TargetSession, DraftSession]:
         """A target and a draft session for `request`, each holding a KV slot (waiting for one when `wait`)."""

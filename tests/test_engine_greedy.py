@@ -54,6 +54,17 @@ def test_random_drafter_greedy_equals_hugging_face_generate(family, kind):
         assert gen.finish_reason == "length"
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_bfloat16_drafter_beside_a_float32_target_keeps_greedy_exact(family, kind):
+    """The drafter only proposes: in bfloat16 (the default on a CPU with bf16 units, asked for here on any CPU) its
+    trees change, the output does not."""
+    _, root, target, references = family
+    engine = Engine.from_pretrained(target, make_drafter(root / kind, target, kind), tree={"width": 4, "depth": 4, "budget": 12}, draft_dtype="bfloat16")
+    assert engine.drafter.dtype == torch.bfloat16 and engine.target.runtime.dtype == torch.float32
+    for prompt, reference in zip(PROMPTS, references):
+        assert engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == reference, f"prompt {prompt[:10]}"
+
+
 def test_fixed_shape_batches_of_cuda_graphs_keep_greedy_exact(family):
     """With `graphs` on (here: the fixed-shape batches CUDA graphs replay, run eagerly), every prompt of a batch still
     decodes to Hugging Face's greedy tokens."""

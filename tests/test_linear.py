@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.runtime.linear import MAX_PACKED_ROWS, Linear, PackedLinear, bucketed_rows, pack_linears, row_bucket
+from eyas.runtime.device import resolve_draft_dtype
+from eyas.runtime.linear import MAX_PACKED_ROWS, Linear, PackedLinear, bucketed_rows, pack_linears, packs, row_bucket
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -51,3 +52,33 @@ def test_packed_linear_serves_and_refuses_training():
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="inference"):
         model(x)
+
+
+def bf16_products() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_a_bfloat16_linear_goes_through_onednn_where_it_has_bf16_products():
+    """A drafter's bfloat16 products on a CPU with bf16 units: oneDNN accumulates in float32, so every row count
+    gives the float32 product of the same bfloat16 numbers, rounded once (elsewhere `F.linear`, the same way)."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 48, generator=g).to(torch.bfloat16)
+    layer = Linear(weight)
+    assert (layer.packed is not None) == packs(torch.bfloat16, torch.device("cpu")) == bf16_products()
+    for rows in [1, 2, 5, 8, 13, 64, 129]:
+        x = torch.randn(rows, 48, generator=g).to(torch.bfloat16)
+        exact = F.linear(x.float(), weight.float())
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), exact, rtol=2 ** -7, atol=1e-2)
+
+
+def test_the_drafter_runs_in_bfloat16_beside_a_float32_target_where_a_cpu_has_bf16_products():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_draft_dtype(None, torch.float32, cpu) == (torch.bfloat16 if bf16_products() else torch.float32)
+    assert resolve_draft_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert resolve_draft_dtype("auto", torch.float16, cuda) == torch.float16  # on a GPU: the target's
+    assert resolve_draft_dtype("float32", torch.float32, cpu) == torch.float32
+    assert resolve_draft_dtype(torch.bfloat16, torch.float32, cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype: 'half'"):
+        resolve_draft_dtype("half", torch.float32, cpu)

@@ -73,9 +73,14 @@ def test_a_served_layer_refuses_to_run_where_its_weights_would_be_trained(target
 
 def test_a_drafter_in_its_targets_process_shares_the_targets_packed_head(target_dir, tmp_path):
     drafter_dir = make_drafter(tmp_path / "eagle1", target_dir, "eagle1")
-    engine = Engine.from_pretrained(target_dir, drafter_dir, tree={"width": 1, "depth": 2, "budget": 2})
+    engine = Engine.from_pretrained(target_dir, drafter_dir, tree={"width": 1, "depth": 2, "budget": 2}, draft_dtype="float32")
     assert engine.target.head.packed is not None  # a CPU, float32: there is a packed copy to share
     assert engine.draft.drafter.target_head.linear is engine.target.head
+    # a drafter in another dtype binds a copy in its own, and the target's stays as it was
+    half = Engine.from_pretrained(target_dir, drafter_dir, tree={"width": 1, "depth": 2, "budget": 2}, draft_dtype="bfloat16")
+    head = half.draft.drafter.target_head.linear
+    assert head is not half.target.head and head.weight.dtype == torch.bfloat16 and half.target.head.weight.dtype == torch.float32
+    assert torch.equal(head.weight, half.target.head.weight.to(torch.bfloat16)) and half.draft.drafter.embed.weight.dtype == torch.bfloat16
     # a head over other storage (another load of the same target) is not shared: the drafter makes its own copy
     target, other = TargetModel.from_pretrained(target_dir), TargetModel.from_pretrained(target_dir)
     model = DraftModel(load_drafter(drafter_dir, target.embed, target.lm_head)[0], kv_slots=1, max_seq_len=64, target_head=other.head)

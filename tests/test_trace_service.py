@@ -2,7 +2,10 @@
 
 Requests recorded while several ran at once on one target worker have replayed with probabilities one
 float32 rounding apart on some machines, so those are compared within the replay tolerance (1e-6);
-tokens, rows and accepted paths always exactly. A request served alone replays bit for bit.
+tokens, rows and accepted paths always exactly. A request served alone replays bit for bit. The drafters run in
+float32 on both sides, so that the redraft proposes the recorded trees again: a bfloat16 drafter rounds the target's
+features, and the last-bit differences between a batched and a lone target forward then reach its trees
+(docs/runtime.md, "The drafter's dtype").
 
 One Ray instance and one service (tiny models, real gRPC on 127.0.0.1) recording every request to a
 trace file, as `eyas serve --trace` does; the Python client also asks for single-request traces.
@@ -41,7 +44,8 @@ def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("trace-service")
     target, drafter = build_models(root)
     ray.init(num_cpus=4, include_dashboard=False)
-    service = Service(service_config(target, drafter), port=0, trace=str(root / "service.trace")).start()
+    config = service_config(target, drafter, models={"target": str(target), "drafter": str(drafter), "draft_dtype": "float32"})
+    service = Service(config, port=0, trace=str(root / "service.trace")).start()
     client = Client(service.address)
     with ThreadPoolExecutor(len(RUN) + 1) as pool:
         results = list(pool.map(lambda kw: client.generate(**kw), RUN))
@@ -49,7 +53,7 @@ def svc(tmp_path_factory):
     shutil.copy(root / "service.trace", root / "run.trace")  # this run's records, before later tests add theirs
     yield {
         "root": root, "target": target, "drafter": drafter, "service": service, "client": client, "results": results,
-        "engine": Engine.from_pretrained(target, drafter, tree=TREE),
+        "engine": Engine.from_pretrained(target, drafter, tree=TREE, draft_dtype="float32"),
     }
     client.close()
     service.stop()
@@ -166,7 +170,7 @@ def test_eyas_generate_traces_through_the_service_and_in_process(svc, capsys):
     common = ["--prompt", "w5 w17 w33", "--max-new-tokens", "10", "--json"]
     assert main(["generate", "--server", svc["service"].address, "--trace", str(remote), *common]) == 0
     models = ["--target", str(svc["target"]), "--drafter", str(svc["drafter"]), "--tree-width", "4", "--depth", "4", "--budget", "12"]
-    assert main(["generate", "--local", *models, "--trace", str(local), *common]) == 0
+    assert main(["generate", "--local", *models, "--draft-dtype", "float32", "--trace", str(local), *common]) == 0  # as the service's
     capsys.readouterr()
     assert main(["trace", "diff", str(remote), str(local)]) == 0
     assert capsys.readouterr().out.startswith("identical: 1 requests")

@@ -124,6 +124,7 @@ class EyasRunner:
                 tally.phases[phase] = tally.phases.get(phase, 0.0) + seconds
         if self.tree is None and self.engine.tree == "auto":
             tally.extra["tree_policy"] = asdict(self.engine.tuner.current)
+        tally.extra["draft_dtype"] = str(self.engine.drafter.dtype).removeprefix("torch.")
         return tally
 
 

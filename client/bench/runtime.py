@@ -272,6 +272,7 @@ def run(args) -> dict:
     record = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads()},
         "config": {"target": str(target), "drafter": str(drafter), "dtype": str(dtype).removeprefix("torch."),
+                   "draft_dtype": str(engine.drafter.dtype).removeprefix("torch."),
                    "device": str(engine.target.runtime.device), "tree": args.tree, "graphs": engine.target.graphs is not None},
         "verify": verify_phases(engine, hf, context, (1, 9, 33), args.repeats),
         "context_scaling": context_scaling(

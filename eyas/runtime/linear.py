@@ -1,4 +1,4 @@
-"""Linear layers for serving: on a CPU, float32 products of a few rows go through oneDNN.
+"""Linear layers for serving: on a CPU, float32 (and bfloat16) products of a few rows go through oneDNN.
 
 A decoder's rounds multiply a few rows at a time by every weight: one per plain step, 2-8 per
 drafter tree level, 10-40 per verification. For such products the default float32 CPU path (BLAS
@@ -6,8 +6,9 @@ sgemm) is slow, slowest at 2-8 rows; oneDNN with the weight reordered once at lo
 float32 product 2-5x faster there (docs/runtime.md, "Linear layers"). oneDNN builds and caches a
 kernel per row count, so rows are padded up to a few bucket sizes (exact up to 8) to bound that
 cache. Single rows go through oneDNN too, so that decoding reads one copy of the weights; products
-of more than MAX_PACKED_ROWS rows (prefill) keep sgemm, which is as good there.
-Everywhere else (CUDA, bf16/fp16, a torch without oneDNN) `Linear` is `F.linear`.
+of more than MAX_PACKED_ROWS rows (prefill) keep sgemm, which is as good there. A drafter in bfloat16 beside a
+float32 target (a CPU with bf16 units) packs the same way: oneDNN's bf16 products accumulate in float32.
+Everywhere else (CUDA, fp16, bf16 without oneDNN's bf16 products, a torch without oneDNN) `Linear` is `F.linear`.
 """
 
 from typing import List, Optional, Union
@@ -55,8 +56,11 @@ def linear(
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether products in `dtype` on `device` go through oneDNN at bucketed row counts (CPU float32)."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether products in `dtype` on `device` go through oneDNN at bucketed row counts: on a CPU, float32, and
+    bfloat16 where oneDNN has bf16 products (a drafter's dtype there, eyas.runtime.device.resolve_draft_dtype)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def bucketed_rows(calls: int, rows: int) -> int:
