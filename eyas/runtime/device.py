@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .linear import packs
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,8 +50,8 @@ def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, dtype: torch.dtyp
     drafter's dtype moves acceptance and speed alone. On a CPU with bf16 units its products run in about 60% of the
     float32 time, and its weights take half the cache (docs/runtime.md, "The drafter's dtype")."""
     if draft_dtype in (None, "auto"):
-        bf16_products = device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if dtype == torch.float32 and bf16_products else dtype
+        on_bf16_units = packs(torch.bfloat16, device)  # a CPU whose oneDNN has bf16 products
+        return torch.bfloat16 if dtype == torch.float32 and on_bf16_units else dtype
     return resolve_dtype(draft_dtype, device)
 
 
