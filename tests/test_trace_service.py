@@ -76,6 +76,18 @@ def test_a_recorded_service_run_of_several_requests_replays_identical(svc, capsy
     assert replay_trace(trace, engine.target, engine.drafter).identical, "the drafter proposes the recorded trees again"
 
 
+def test_a_bfloat16_drafters_lone_request_redrafts_as_recorded_and_the_report_says_when_one_may_not(svc, tmp_path):
+    """A request run alone drafts from the same features when redrafted, so a bfloat16 drafter's trees come back as
+    recorded; the report notes that a request recorded beside batch-mates may not."""
+    half = Engine.from_pretrained(svc["target"], svc["drafter"], tree=TREE, draft_dtype="bfloat16")
+    path = tmp_path / "half.trace"
+    half.generate([5, 17, 33, 8], max_new_tokens=16, trace=str(path))
+    report = replay_trace(read_trace(path), half.target, half.drafter)
+    assert report.identical and report.rounds > 1
+    assert any(note.startswith("the drafter runs in bfloat16 beside a float32 target") for note in report.notes)
+    assert not any("drafter runs in" in note for note in replay_trace(read_trace(path), svc["engine"].target, svc["engine"].drafter).notes)
+
+
 def test_the_client_trace_holds_the_bytes_that_crossed_the_wire(svc):
     mine = read_trace(svc["root"] / "client.trace").requests
     served = read_trace(svc["root"] / "run.trace").request("client-0")

@@ -192,6 +192,7 @@ def test_local_yaml_is_the_documented_default():
         ({"tree": "fast"}, "tree"),
         ({"netwrk": {}}, "netwrk"),
         ({"models": {"dtype": "int8"}}, "models.dtype"),
+        ({"models": {"draft_dtype": "half"}}, "models.draft_dtype"),
         ({"pools": {"draft": {"num_cpus": 0}}}, "pools.draft"),
         ({"service": {"kv_slots": 0}}, "service.kv_slots"),
     ],

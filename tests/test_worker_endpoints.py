@@ -49,14 +49,16 @@ def workers(tmp_path_factory):
     ray.shutdown()
 
 
-@pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"draft_ahead": 2}])
+@pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"draft_ahead": 2}, {"draft_dtype": "bfloat16"}])
 def test_bfloat16_and_draft_ahead_workers_serve_what_the_engine_generates(workers, changes):
     spec = dataclasses.replace(workers["spec"], **changes)
     actors = [ray.remote(DraftWorker).remote(spec), ray.remote(TargetWorker).remote(spec)]
     infos = ray.get([a.start.remote() for a in actors])
     draft_client, target_client = (WorkerClient(i.role, f"{i.role}-x", i.address, KEY, 30.0) for i in infos)
     target, drafter = spec.target, spec.drafter
-    engine = Engine.from_pretrained(target, drafter, tree=TREE, dtype=changes.get("dtype"), draft_ahead=changes.get("draft_ahead", 0))
+    engine = Engine.from_pretrained(
+        target, drafter, tree=TREE, dtype=changes.get("dtype"), draft_ahead=changes.get("draft_ahead", 0), draft_dtype=changes.get("draft_dtype")
+    )
     request = engine.new_request(PROMPT, NEW_TOKENS)
     timing = CallTiming()
     draft = RemoteDraft(draft_client, "r-x", infos[0].manifest_id, timing, infos[1].vocab_size)
