@@ -152,10 +152,8 @@ class DraftModel:
         return self._background.submit(run_alone, steps)
 
     def _step(self, packed: Packed) -> list[torch.Tensor]:
-        """The drafter pass over a packed batch -> [next states [B, N, d]] (what a graph captures); states given in
-        another dtype (a target's features) are cast to the drafter's."""
-        states = packed.states.to(self.drafter.dtype)
-        return [self.drafter.step(states, packed.tokens, packed.positions, packed.kv, packed.mask)]
+        """The drafter pass over a packed batch -> [next states [B, N, d]] (what a graph captures)."""
+        return [self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)]
 
     @torch.no_grad()
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:

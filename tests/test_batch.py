@@ -113,10 +113,10 @@ def test_merged_calls_of_one_slot_give_each_call_what_it_gets_alone(world):
     slot = draft.pool.acquire(64)
     try:
         generator = torch.Generator().manual_seed(3)
-        d = draft.drafter.hidden_size
+        d, dtype = draft.drafter.hidden_size, draft.drafter.dtype  # states come in the drafter's dtype
         prefix = 10
         draft.run([RowsCall(slot, 0, torch.arange(5, 15), torch.arange(prefix), torch.ones(prefix, prefix).tril().bool(),
-                            torch.randn(prefix, d, generator=generator))])
+                            torch.randn(prefix, d, generator=generator).to(dtype))])
         calls, start = [], prefix
         for n in (3, 1, 4):  # each row sees the prefix, one earlier row of its own call and itself
             visible = torch.zeros(n, start + n, dtype=torch.bool)
@@ -124,7 +124,7 @@ def test_merged_calls_of_one_slot_give_each_call_what_it_gets_alone(world):
             visible[torch.arange(n), start + torch.arange(n)] = True
             visible[1:, start] = True
             calls.append(RowsCall(slot, start, torch.randint(0, 100, (n,), generator=generator), torch.arange(prefix, prefix + n),
-                                  visible, torch.randn(n, d, generator=generator), 3))
+                                  visible, torch.randn(n, d, generator=generator).to(dtype), 3))
             start += n
         alone = [draft.run([call])[0] for call in calls]
         merged = draft.run([merge_calls(calls)])[0]

@@ -36,7 +36,7 @@ class RowsCall:
     tokens: torch.Tensor  # [N] long
     positions: torch.Tensor  # [N] long
     visible: torch.Tensor  # [N, start + N] bool
-    states: torch.Tensor | None = None  # [N, d] drafter input states
+    states: torch.Tensor | None = None  # [N, d] drafter input states, in the drafter's dtype
     top_k: int = 0  # a drafter call: also return each row's top-k next-token candidates, from the same pass
     top_k_last: bool = False  # ... of its last row only
 
