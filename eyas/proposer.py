@@ -12,21 +12,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .drafters import Drafter
-from .drafters.eagle1 import Eagle1Layer
-from .drafters.eagle3 import Eagle3Layer
-from .drafters.layers import MLP, Attention, RMSNorm, Rope, frozen_product, rms_norm
+from .drafters.base import best_candidates
+from .drafters.eagle1 import Eagle1Drafter, Eagle1Layer
+from .drafters.eagle3 import Eagle3Drafter, Eagle3Layer
+from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, rotary_tables
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
 from .runtime.batch import GuessDecided, Packed, RowsCall, merge_calls, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
-from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool
-from .runtime.linear import Linear, PackedLinear, pack_linears, packs
+from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
+from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
 from .runtime.script import script
 from .steps import Forward, Steps, run_alone
@@ -58,48 +61,112 @@ def served_weights(attn: Attention, mlp: MLP, post_norm: RMSNorm) -> tuple[Atten
 
 
 @script
-def eagle3_layer(
-    embedding: torch.Tensor, state: torch.Tensor, input_norm: torch.Tensor, hidden_norm: torch.Tensor, attention: AttentionWeights,
-    mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs,
+def eagle1_step(
+    states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, fc_weight: torch.Tensor, fc_bias: Optional[torch.Tensor],
+    fc_packed: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, kv: Optional[torch.Tensor], writes: Optional[Writes],
+    attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float,
 ) -> torch.Tensor:
-    """EAGLE-3's midlayer in one call: attention reads [normed embedding; normed state] [B, N, 2d], adds to the state
-    [B, N, d], then + MLP (eyas.drafters.eagle3.Eagle3Layer, bitwise)."""
-    x = torch.cat([rms_norm(embedding, input_norm, eps), rms_norm(state, hidden_norm, eps)], dim=-1)
-    return residual_layer(x, state, attention, mlp, heads, kv_heads, act, eps, at, 0)
+    """EAGLE-1's step in one call (eyas.drafters.eagle1.Eagle1Drafter.step, bitwise): states [B, N, d] and the
+    advanced tokens [B, N] -> fc over [embedding; state] [B, N, 2d] -> the decoder layer over the pool -> [B, N, d]."""
+    x = linear(torch.cat([F.embedding(tokens, embed), states], dim=-1), fc_weight, fc_bias, fc_packed)  # [B, N, d]
+    at = AttentionInputs(cos[positions].unsqueeze(2), sin[positions].unsqueeze(2), mask, kv, writes)  # tables [P, hd] -> [B, N, 1, hd]
+    return residual_layer(x, x, attention, mlp, heads, kv_heads, act, eps, at, 0)
 
 
-def serve_layer(layer: Eagle1Layer | Eagle3Layer) -> None:
-    """Serve a drafter's decoder layer as one call of the runtime's scripted blocks (runtime/model.py), over frozen
-    copies of its weights: a drafter step then comes back to Python once for its layer, not once per operator."""
-    attn, norm = layer.self_attn, layer.post_attention_layernorm
-    attention, mlp = served_weights(attn, layer.mlp, norm)
-    heads, kv_heads, act, eps = attn.heads, attn.kv_heads, activation(layer.mlp.act_name), norm.eps
-    if isinstance(layer, Eagle3Layer):
-        input_norm, hidden_norm = layer.input_layernorm.weight.detach().clone(), layer.hidden_norm.weight.detach().clone()
-
-        def midlayer(embedding: torch.Tensor, state: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
-            at = AttentionInputs(*rope, mask, *kv.scripted())
-            return eagle3_layer(embedding, state, input_norm, hidden_norm, attention, mlp, heads, kv_heads, act, eps, at)
-
-        layer.serve(midlayer)
-        return
-
-    def block(x: torch.Tensor, rope: Rope, kv, mask: torch.Tensor) -> torch.Tensor:
-        return residual_layer(x, x, attention, mlp, heads, kv_heads, act, eps, AttentionInputs(*rope, mask, *kv.scripted()), 0)
-
-    layer.serve(block)
+@script
+def eagle3_step(
+    states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, input_norm: torch.Tensor, hidden_norm: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, kv: Optional[torch.Tensor], writes: Optional[Writes],
+    attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float,
+) -> torch.Tensor:
+    """EAGLE-3's step in one call (eyas.drafters.eagle3.Eagle3Drafter.step, bitwise): the midlayer's attention reads
+    [normed embedding; normed state] [B, N, 2d] and adds to the state [B, N, d], then + MLP -> [B, N, d]."""
+    x = torch.cat([rms_norm(F.embedding(tokens, embed), input_norm, eps), rms_norm(states, hidden_norm, eps)], dim=-1)  # [B, N, 2d]
+    at = AttentionInputs(cos[positions].unsqueeze(2), sin[positions].unsqueeze(2), mask, kv, writes)  # tables [P, hd] -> [B, N, 1, hd]
+    return residual_layer(x, states, attention, mlp, heads, kv_heads, act, eps, at, 0)
 
 
-def serve_layers(drafter: Drafter) -> frozenset[int]:
-    """Serve every decoder layer of `drafter` through the runtime's scripted blocks (inference only); returns the ids
-    of the linear layers they replace (those stay, unused, for the state dict)."""
-    replaced = set()
-    for module in drafter.modules():
-        if isinstance(module, (Eagle1Layer, Eagle3Layer)):
-            serve_layer(module)
-            attn, mlp = module.self_attn, module.mlp
-            replaced |= {id(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)}
-    return frozenset(replaced)
+@script
+def eagle1_candidates(
+    states: torch.Tensor, head_weight: torch.Tensor, head_bias: Optional[torch.Tensor], head_packed: Optional[torch.Tensor], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-1's top-k next tokens: states [Q, d] through the target's LM head -> ids, probabilities [Q, k]."""
+    return best_candidates(linear(states, head_weight, head_bias, head_packed), k)
+
+
+@script
+def eagle3_candidates(
+    states: torch.Tensor, norm: torch.Tensor, eps: float, head_weight: torch.Tensor, head_bias: Optional[torch.Tensor], head_packed: Optional[torch.Tensor],
+    d2t: torch.Tensor, k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's top-k next tokens: states [Q, d] through its norm and draft-vocabulary head -> target ids (draft id +
+    d2t), probabilities [Q, k]."""
+    ids, probs = best_candidates(linear(rms_norm(states, norm, eps), head_weight, head_bias, head_packed), k)
+    return ids + d2t[ids], probs
+
+
+def decoder_layer(drafter: Drafter) -> Eagle1Layer | Eagle3Layer | None:
+    """The one decoder layer of an EAGLE-1 (or HASS) or EAGLE-3 drafter, which a `ServedStep` runs as fused copies;
+    None for another drafter, which steps through its own modules."""
+    if isinstance(drafter, Eagle3Drafter):
+        return drafter.midlayer
+    return drafter.layers[0] if isinstance(drafter, Eagle1Drafter) else None
+
+
+def layer_products(layer: Eagle1Layer | Eagle3Layer | None) -> frozenset[int]:
+    """The ids of a decoder layer's linear layers, which a `ServedStep` multiplies by fused copies of."""
+    if layer is None:
+        return frozenset()
+    attn, mlp = layer.self_attn, layer.mlp
+    return frozenset(id(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+class ServedStep:
+    """A drafter's step and its top-k candidates, each as one call of a scripted function (`eagle1_step`,
+    `eagle3_step`, `eagle1_candidates`, `eagle3_candidates`), for inference: the decoder layer over frozen copies of
+    its weights, q/k/v and gate/up fused, and the other products through the drafter's packed layers. A drafting level
+    then enters TorchScript twice, not once per product and once per operator between them (docs/runtime.md, "Fewer
+    trips through Python"). Bitwise the drafter's own `step` and `top_candidates`, which a drafter of another kind
+    runs instead."""
+
+    def __init__(self, drafter: Drafter, positions: int):
+        """`drafter`: bound to its target and packed (`pack_linears`, its decoder layer left out); `positions`: the
+        rotary tables' length (the KV slot's)."""
+        self.drafter = drafter
+        self.layer = layer = decoder_layer(drafter)
+        if layer is None:
+            return
+        attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        self.attention, self.mlp = served_weights(attn, mlp, norm)
+        self.heads, self.kv_heads, self.act, self.eps = attn.heads, attn.kv_heads, activation(mlp.act_name), norm.eps
+        self.embed = drafter.embed.weight.detach()
+        self.cos, self.sin = (t.to(device=drafter.device, dtype=drafter.dtype) for t in rotary_tables(drafter.rotary.inner, positions))  # [P, hd]
+        self.eagle3 = isinstance(layer, Eagle3Layer)
+        if self.eagle3:
+            self.norms = layer.input_layernorm.weight.detach().clone(), layer.hidden_norm.weight.detach().clone()
+            self.head = drafter.lm_head.linear
+            self.head_norm, self.head_eps, self.d2t = drafter.norm.weight.detach().clone(), drafter.norm.eps, drafter.d2t
+        else:
+            self.fc, self.head = drafter.fc.linear, drafter.target_head.linear
+
+    def __call__(self, packed: Packed) -> torch.Tensor:
+        """The drafter pass over `packed` -> next states [B, N, d]."""
+        if self.layer is None:
+            return self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)
+        head = (packed.states, packed.tokens, packed.positions, self.embed)
+        tail = (self.cos, self.sin, packed.mask, *packed.kv.scripted(), self.attention, self.mlp, self.heads, self.kv_heads, self.act, self.eps)
+        if self.eagle3:
+            return eagle3_step(*head, *self.norms, *tail)
+        return eagle1_step(*head, self.fc.weight, self.fc.bias, self.fc.packed, *tail)
+
+    def candidates(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Q, d] states -> (target token ids [Q, k], conditional probabilities [Q, k] float64), best first."""
+        if self.layer is None:
+            return self.drafter.top_candidates(states, k)
+        head = self.head
+        if self.eagle3:
+            return eagle3_candidates(states, self.head_norm, self.head_eps, head.weight, head.bias, head.packed, self.d2t, k)
+        return eagle1_candidates(states, head.weight, head.bias, head.packed, k)
 
 
 class DraftModel:
@@ -123,10 +190,13 @@ class DraftModel:
         floats less, and a copy the verification has just read)."""
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
-        # inference only from here: every product, the target's head included, on prepacked weights
-        pack_linears(drafter, skip=serve_layers(drafter))
+        # inference only from here: every product, the target's head included, on prepacked weights, and the decoder
+        # layer's as fused copies
+        pack_linears(drafter, skip=layer_products(decoder_layer(drafter)))
         if drafter.bound:
             drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head, target_head))
+        slot_len = max_seq_len + TREE_HEADROOM
+        self.served = ServedStep(drafter, slot_len)
         self.drafter = drafter
         self.ahead_trees = ahead_trees
         # how often the target accepts this drafter's nodes, the odds drafting ahead guesses by: fed by every round of
@@ -135,11 +205,9 @@ class DraftModel:
         self._background = None if ahead_runner else ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")
         self.ahead_runner = ahead_runner or self._run_in_background
         attn = drafter.attention
-        slot_len = max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
         self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to the row buckets of the oneDNN products
-        drafter.rotary.reserve(slot_len, drafter.dtype, drafter.device)  # no table growth (a host sync) mid-forward
         on_cuda = drafter.device.type == "cuda"
         self.graphs = Graphs(self._step, drafter.device) if (on_cuda if graphs is None else graphs) else None
 
@@ -153,7 +221,7 @@ class DraftModel:
 
     def _step(self, packed: Packed) -> list[torch.Tensor]:
         """The drafter pass over a packed batch -> [next states [B, N, d]] (what a graph captures)."""
-        return [self.drafter.step(packed.states, packed.tokens, packed.positions, packed.kv, packed.mask)]
+        return [self.served(packed)]
 
     @torch.no_grad()
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
@@ -168,7 +236,7 @@ class DraftModel:
         if asking:
             k = max(calls[i].top_k for i in asking)
             rows = [states[i][-1:] if calls[i].top_k_last else states[i] for i in asking]
-            tokens, probs = self.drafter.top_candidates(torch.cat(rows), k)  # [R', k]
+            tokens, probs = self.served.candidates(torch.cat(rows), k)  # [R', k]
             lengths = [r.shape[0] for r in rows]
             for i, t, p in zip(asking, split_rows(tokens, lengths), split_rows(probs, lengths)):
                 results[i].tokens, results[i].probs = t[:, : calls[i].top_k], p[:, : calls[i].top_k]
@@ -366,7 +434,7 @@ class DraftSession:
         tree_seconds = 0.0
         for depth in range(policy.depth):
             if depth == 0:
-                tokens, probs = root_candidates or self.drafter.top_candidates(root_state[None], policy.width)  # [1, width]
+                tokens, probs = root_candidates or self.model.served.candidates(root_state[None], policy.width)  # [1, width]
             else:
                 if stop is not None and stop():
                     return None
@@ -406,7 +474,7 @@ class DraftSession:
                 states.update(zip(leaves, (yield from self._expand(tree, leaves, states, path_rows, prefix_len)).states))
             # enough candidates per node that `ahead_trees` remain besides its verified children
             width = policy.width + self.model.ahead_trees
-            tokens, probs = self.drafter.top_candidates(torch.stack([states[n] for n in nodes]), width)
+            tokens, probs = self.model.served.candidates(torch.stack([states[n] for n in nodes]), width)
             candidates = [list(zip(t, q)) for t, q in zip(tokens.tolist(), probs.tolist())]
             outcomes = likeliest_outcomes(tree, nodes, candidates, self.model.calibration, self.model.ahead_trees)
             if not outcomes or self._ahead_stop:

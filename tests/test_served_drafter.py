@@ -1,6 +1,6 @@
-"""A served drafter layer (one call of the runtime's scripted blocks over a KV pool) computes what the layer's own
-modules compute over a growing KVCache, and refuses to run where its weights would be trained; a drafter in its
-target's process multiplies by the target's own packed LM head."""
+"""A drafter's served step and candidates (one scripted call each over a KV pool, eyas.proposer.ServedStep) compute
+what the drafter's own modules compute over a growing KVCache; a drafter in its target's process multiplies by the
+target's own packed LM head."""
 
 import pytest
 import torch
@@ -8,10 +8,9 @@ from tests.helpers.tiny import make_drafter, make_target
 
 from eyas import Engine
 from eyas.drafters import load_drafter
-from eyas.drafters.layers import KVCache, ServedLayer
+from eyas.drafters.layers import KVCache
 from eyas.proposer import DraftModel
 from eyas.runtime.batch import RowsCall
-from eyas.runtime.kv import PassThroughKV
 from eyas.target import TargetModel
 
 
@@ -20,19 +19,18 @@ def target_dir(tmp_path_factory):
     return make_target(tmp_path_factory.mktemp("target"))
 
 
-def layer_of(drafter) -> ServedLayer:
-    (layer,) = [m for m in drafter.modules() if isinstance(m, ServedLayer)]
-    return layer
-
-
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_a_served_layer_computes_what_its_modules_compute(kind, target_dir, tmp_path):
-    drafter_dir = make_drafter(tmp_path / kind, target_dir, kind)
+@pytest.mark.parametrize("kind, draft_vocab", [("eagle1", None), ("eagle3", None), ("eagle3", 32)])
+def test_a_served_step_computes_what_the_drafters_modules_compute(kind, draft_vocab, target_dir, tmp_path):
+    overrides = {"draft_vocab_size": draft_vocab} if draft_vocab else {}
+    drafter_dir = make_drafter(tmp_path / kind, target_dir, kind, **overrides)
     target = TargetModel.from_pretrained(target_dir)
-    eager, _ = load_drafter(drafter_dir, target.embed, target.lm_head)
-    model = DraftModel(load_drafter(drafter_dir, target.embed, target.lm_head)[0], kv_slots=1, max_seq_len=64)
-    assert layer_of(model.drafter).served is not None and layer_of(eager).served is None
+    eager, served_drafter = (load_drafter(drafter_dir, target.embed, target.lm_head)[0] for _ in range(2))
     generator = torch.Generator().manual_seed(0)
+    if draft_vocab:  # a reduced draft vocabulary: candidates come back as target ids
+        draft_to_target = torch.randperm(target.vocab_size, generator=generator)[:draft_vocab]
+        for drafter in (eager, served_drafter):
+            drafter.set_vocab_map(draft_to_target, target.vocab_size)
+    model = DraftModel(served_drafter, kv_slots=1, max_seq_len=64)
     prefix, rows = 10, 3
     tokens = torch.randint(0, 96, (prefix + rows,), generator=generator)
     states = torch.randn(prefix + rows, eager.hidden_size, generator=generator)
@@ -43,32 +41,22 @@ def test_a_served_layer_computes_what_its_modules_compute(kind, target_dir, tmp_
     with torch.no_grad():
         served = [
             model.run([RowsCall(slot, 0, tokens[:prefix], torch.arange(prefix), causal[:prefix, :prefix], states[:prefix])])[0].states,
-            model.run([RowsCall(slot, prefix, tokens[prefix:], torch.arange(prefix, prefix + rows), tree, states[prefix:])])[0].states,
+            model.run([RowsCall(slot, prefix, tokens[prefix:], torch.arange(prefix, prefix + rows), tree, states[prefix:], top_k=4)])[0],
         ]
+        served, candidates = [served[0], served[1].states], served[1]
         cache = KVCache()
         positions = torch.arange(prefix + rows)[None]
         expected = [
             eager.step(states[None, :prefix], tokens[None, :prefix], positions[:, :prefix], cache, causal[None, None, :prefix, :prefix])[0],
             eager.step(states[None, prefix:], tokens[None, prefix:], positions[:, prefix:], cache, tree[None, None])[0],
         ]
+        probs = torch.softmax(eager.logits(expected[1]).double(), dim=-1)  # [rows, V_draft]
     for got, want in zip(served, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_a_served_layer_refuses_to_run_where_its_weights_would_be_trained(target_dir, tmp_path):
-    drafter_dir = make_drafter(tmp_path / "eagle1", target_dir, "eagle1")
-    target = TargetModel.from_pretrained(target_dir)
-    model = DraftModel(load_drafter(drafter_dir, target.embed, target.lm_head)[0], kv_slots=1, max_seq_len=64)
-    layer = layer_of(model.drafter)
-    x = torch.randn(1, 2, model.drafter.hidden_size)
-    rope = model.drafter.rotary(torch.arange(2)[None], x.dtype)
-    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool).tril()
-    for p in layer.parameters():
-        p.requires_grad_(True)  # as training would: the served copies would not follow its updates
-    with torch.enable_grad(), pytest.raises(RuntimeError, match="for inference"):
-        layer(x, rope, PassThroughKV(), mask)
-    with torch.no_grad():
-        assert layer(x, rope, PassThroughKV(), mask).shape == x.shape
+    # the top-k candidates: the likeliest draft ids, mapped to target ids, with their probabilities
+    top = probs.topk(4, dim=-1)
+    assert torch.equal(candidates.tokens, eager.to_target_ids(top.indices))
+    torch.testing.assert_close(candidates.probs, top.values, rtol=1e-5, atol=1e-6)
 
 
 def test_a_drafter_in_its_targets_process_shares_the_targets_packed_head(target_dir, tmp_path):

@@ -13,6 +13,15 @@ from transformers import LlamaConfig
 from .layers import KVCache, Rotary
 
 
+def best_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [Q, V] -> the k likeliest ids [Q, k] and their probabilities [Q, k] float64, best first. Plain torch,
+    so TorchScript compiles it inside the served drafter's candidates too (eyas.proposer.ServedStep)."""
+    logits = logits.float()
+    top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)  # float32: one fused pass over V
+    return top.indices, log_probs.double().exp()
+
+
 class Drafter(nn.Module):
     """Base class: subclasses define `seed_hidden`, `step`, `logits` and `to_target_ids`."""
 
@@ -91,7 +100,5 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def top_candidates(self, state: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Q, d] states -> (target token ids [Q, k], conditional probabilities [Q, k] float64), best first."""
-        logits = self.logits(state).float()  # [Q, V_draft]
-        top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)  # float32: one fused pass over V
-        return self.to_target_ids(top.indices), log_probs.double().exp()
+        ids, probs = best_candidates(self.logits(state), k)  # [Q, k] draft ids
+        return self.to_target_ids(ids), probs

@@ -11,10 +11,10 @@ from torch import nn
 from transformers import LlamaConfig
 
 from .base import Drafter
-from .layers import MLP, Attention, KVCache, RMSNorm, ServedLayer
+from .layers import MLP, Attention, KVCache, RMSNorm
 
 
-class Eagle1Layer(ServedLayer):
+class Eagle1Layer(nn.Module):
     """`layers.0`: attention and MLP with a post-attention norm, and no input norm."""
 
     def __init__(self, config: LlamaConfig):
@@ -24,8 +24,6 @@ class Eagle1Layer(ServedLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, kv: KVCache, mask: torch.Tensor) -> torch.Tensor:
-        if self.serving(kv):
-            return self.served(x, rope, kv, mask)
         h = x + self.self_attn(x, rope, kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -13,10 +13,10 @@ from torch import nn
 from transformers import LlamaConfig
 
 from .base import Drafter
-from .layers import MLP, Attention, KVCache, RMSNorm, ServedLayer
+from .layers import MLP, Attention, KVCache, RMSNorm
 
 
-class Eagle3Layer(ServedLayer):
+class Eagle3Layer(nn.Module):
     """`midlayer`: token embedding and drafter state enter attention side by side."""
 
     def __init__(self, config: LlamaConfig):
@@ -29,8 +29,6 @@ class Eagle3Layer(ServedLayer):
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, embedding, state, rope, kv: KVCache, mask) -> torch.Tensor:
-        if self.serving(kv):
-            return self.served(embedding, state, rope, kv, mask)
         x = torch.cat([self.input_layernorm(embedding), self.hidden_norm(state)], dim=-1)  # [B, Q, 2d]
         h = state + self.self_attn(x, rope, kv, mask)  # [B, Q, d]
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -7,7 +7,6 @@ training runs over packed, rolled-out rows; neither is plain causal.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -50,29 +49,6 @@ def frozen_product(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     weight = torch.cat([layer.weight.detach() for layer in layers])
     biases = [layer.bias for layer in layers]
     return weight, None if biases[0] is None else torch.cat([b.detach() for b in biases])
-
-
-class ServedLayer(nn.Module):
-    """A drafter's decoder layer that inference may run as one call of the runtime's scripted blocks (`serve`, see
-    eyas.proposer), over frozen copies of its weights. Over a growing `KVCache` (training's rollouts) it runs its own
-    modules."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.served: Callable[..., torch.Tensor] | None = None  # the layer's forward, less the `KVCache` path
-
-    def serve(self, block: Callable[..., torch.Tensor]) -> None:
-        """Run inference through `block`, which takes what `forward` takes (inference only from here)."""
-        self.served = block
-
-    def serving(self, kv: object) -> bool:
-        """Whether this call runs the served block: it is set and `kv` is a pool's, not a growing `KVCache`. Refuses
-        where the weights the block copies would be trained."""
-        if self.served is None or isinstance(kv, KVCache):
-            return False
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            raise RuntimeError(f"{type(self).__name__}: the served layer is for inference; it does not follow training updates")
-        return True
 
 
 class KVCache:
@@ -126,24 +102,16 @@ def rotary_tables(rope: LlamaRotaryEmbedding, length: int) -> tuple[torch.Tensor
 
 class Rotary(nn.Module):
     """cos and signed sin for explicit positions, looked up in tables computed once (and regrown when a position
-    passes them, unless reserved)."""
+    passes them)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.inner = LlamaRotaryEmbedding(config)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._reserved: tuple[torch.dtype, torch.device] | None = None
-
-    def reserve(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Compute the tables for positions [0, length) now, and never regrow them (serving: positions are bounded by
-        the KV slot, and a regrowth check reads a position back to the host, which a CUDA graph cannot)."""
-        self._tables[dtype] = tuple(t.to(device=device, dtype=dtype) for t in rotary_tables(self.inner, length))
-        self._reserved = (dtype, torch.device(device))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         cos, sin = self._tables.get(dtype, (None, None))
-        reserved = self._reserved == (dtype, positions.device)
-        if not reserved and (cos is None or cos.device != positions.device or int(positions.max()) >= cos.shape[0]):
+        if cos is None or cos.device != positions.device or int(positions.max()) >= cos.shape[0]:
             length = max(1024, 2 * int(positions.max()) + 1)
             cos, sin = (t.to(device=positions.device, dtype=dtype) for t in rotary_tables(self.inner, length))
             self._tables[dtype] = (cos, sin)

@@ -142,6 +142,21 @@ def residual_layer(
     return h + mlp_block(h, mlp, act, eps)
 
 
+@script
+def dense_layers(
+    x: torch.Tensor, attention: list[AttentionWeights], mlp: list[MLPWeights], heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, taps: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every layer of a dense model on one rank, in one call: x [B, N, d] -> the last layer's output [B, N, d], and
+    the input of each layer in `taps`, in layer order. A forward then enters TorchScript once, not once a layer: each
+    entry converts its arguments (every layer's weights) and cost about 30 us on a CPU."""
+    tapped: list[torch.Tensor] = []
+    for index in range(len(attention)):
+        if index in taps:
+            tapped.append(x)
+        x = residual_layer(x, x, attention[index], mlp[index], heads, kv_heads, act, eps, at, index)
+    return x, tapped
+
+
 @dataclass
 class Layer:
     """One decoder layer's fused weights."""
@@ -240,8 +255,10 @@ class CausalLM:
                 )
             )
         self.norm = fetch("norm.weight", (d,))
-        # one scripted call a layer where nothing runs between the blocks: one rank, dense MLPs, no o bias
+        # one scripted call for all layers where nothing runs between the blocks: one rank, dense MLPs, no o bias
         self.whole_layers = shard.size == 1 and not self.experts and all(layer.o_bias is None for layer in self.layers)
+        self.attention_weights = [layer.attention_weights for layer in self.layers]
+        self.mlp_weights = [layer.mlp_weights for layer in self.layers]
         head = take_optional(state, "lm_head.weight")
         if head is None:
             if not getattr(config, "tie_word_embeddings", False):
@@ -320,19 +337,26 @@ class CausalLM:
         cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]  # [B, N, 1, hd]
         bias = torch.zeros(mask.shape, dtype=kv.dtype or self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         at = AttentionInputs(cos, sin, bias, *kv.scripted())
+        if self.whole_layers:
+            x, tapped = dense_layers(x, self.attention_weights, self.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, at, list(taps))
+            routed = []
+        else:
+            x, tapped, routed = self._layers(x, at, taps)
+        return ForwardOut(rms_norm(x, self.norm, self.eps), [tapped[sorted(set(taps)).index(i)] for i in taps], routed)
+
+    def _layers(self, x: torch.Tensor, at: AttentionInputs, taps: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The layers block by block (a group's all-reduces, o's bias and MoE routing run between the blocks): x
+        [B, N, d] -> the last layer's output, the tapped inputs in layer order, and each MoE layer's chosen experts."""
         tapped, routed = [], []
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped.append(x)
-            if self.whole_layers:
-                x = residual_layer(x, x, layer.attention_weights, layer.mlp_weights, self.heads, self.kv_heads, self.act, self.eps, at, index)
-                continue
             x = x + self.attention(layer, index, x, at)
             y, chosen = self.mlp(layer, x)
             x = x + y
             if chosen is not None:
                 routed.append(chosen)
-        return ForwardOut(rms_norm(x, self.norm, self.eps), [tapped[sorted(set(taps)).index(i)] for i in taps], routed)
+        return x, tapped, routed
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight tensor (each once), e.g. to count the bytes the model holds."""
