@@ -227,6 +227,32 @@ def test_requests_stepping_together_explore_only_as_many_rounds_as_one(engine):
     assert len(tuner.rounds_of(rounds[0].policy)) == kept[rounds[0].policy] + 1
 
 
+def test_beside_batch_mates_drift_explores_one_round_not_a_whole_exploration(engine):
+    """After drift, or a long while on one choice, a lone request explores `explore_rounds` rounds again; requests
+    stepping together explore the next round only, as a refresh does (a whole exploration would give every one of
+    them an exploration tree, step after step)."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=1000)
+    rounds = []
+    generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
+    chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
+    tuner.revisit_every = 1  # every full window of realised rounds now explores again
+    for concurrent in (8, 1):
+        record = replace(chosen, policy=tuner.choice(concurrent).policy)
+        refreshes = tuner.refreshes
+        tuner.realised.clear()
+        for _ in range(tuner.realised.maxlen):
+            assert tuner.exploring == 0
+            tuner.observe(record, concurrent)
+        if concurrent == 8:
+            assert tuner.exploring == 0
+            policies = [tuner.policy(8) for _ in range(8)]
+            assert policies[0] in EXPLORATIONS and all(p == tuner.choice(8).policy for p in policies[1:])
+            assert tuner.refreshes == refreshes + 1
+        else:
+            assert tuner.exploring == tuner.explore_rounds
+            assert [tuner.policy(1) for _ in range(3)] == list(EXPLORATIONS)
+
+
 def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engine):
     """Rounds of 8 requests whose drafting levels cost far more than the drafter's forwards (their lockstep):
     after LOCKSTEP_ROUNDS of them the tuner charges each level that extra at 8 and drafts shallower there;
