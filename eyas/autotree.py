@@ -433,7 +433,7 @@ class TreeTuner:
     def _explore_again(self, concurrent: int) -> None:
         """After drift, or a long while on one choice: a lone request explores `explore_rounds` rounds again. Requests
         stepping together would take those rounds within two or three steps, each step then verifying n exploration
-        trees and drafting 8 levels for all of them (on the demo models a batch of 8 ran 27-35% slower for it), so
+        trees and drafting 8 levels for all of them (on the demo models a batch of 8 ran 26-33% slower for it), so
         beside batch-mates the next round explores, one round, as the periodic refresh does (a refresh rather than
         nothing: drift there means the explored rounds do not fit these requests' text, and each exploring round adds
         one of theirs)."""

@@ -147,8 +147,8 @@ def dense_layers(
     x: torch.Tensor, attention: list[AttentionWeights], mlp: list[MLPWeights], heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, taps: list[int]
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Every layer of a dense model on one rank, in one call: x [B, N, d] -> the last layer's output [B, N, d], and
-    the input of each layer in `taps`, in layer order. A forward then enters TorchScript once, not once a layer: each
-    entry converts its arguments (every layer's weights) and cost about 30 us on a CPU."""
+    the input of each layer in `taps`, in layer order. A forward then enters TorchScript once, not once a layer: on a
+    CPU each entry from Python cost about 30 us, several times what converting its arguments takes."""
     tapped: list[torch.Tensor] = []
     for index in range(len(attention)):
         if index in taps:
@@ -257,7 +257,7 @@ class CausalLM:
         self.norm = fetch("norm.weight", (d,))
         # one scripted call for all layers where nothing runs between the blocks: one rank, dense MLPs, no o bias
         self.whole_layers = shard.size == 1 and not self.experts and all(layer.o_bias is None for layer in self.layers)
-        self.attention_weights = [layer.attention_weights for layer in self.layers]
+        self.attention_weights = [layer.attention_weights for layer in self.layers]  # what `dense_layers` multiplies by
         self.mlp_weights = [layer.mlp_weights for layer in self.layers]
         head = take_optional(state, "lm_head.weight")
         if head is None:
