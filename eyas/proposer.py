@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .drafters import Drafter
 from .drafters.base import best_candidates
 from .drafters.eagle1 import Eagle1Drafter, Eagle1Layer
-from .drafters.eagle3 import Eagle3Drafter, Eagle3Layer
+from .drafters.eagle3 import Eagle3Drafter, Eagle3Layer, draft_to_target_ids
 from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, rotary_tables
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
@@ -102,7 +102,7 @@ def eagle3_candidates(
     """EAGLE-3's top-k next tokens: states [Q, d] through its norm and draft-vocabulary head -> target ids (draft id +
     d2t), probabilities [Q, k]."""
     ids, probs = best_candidates(linear(rms_norm(states, norm, eps), head_weight, head_bias, head_packed), k)
-    return ids + d2t[ids], probs
+    return draft_to_target_ids(ids, d2t), probs
 
 
 def decoder_layer(drafter: Drafter) -> Eagle1Layer | Eagle3Layer | None:

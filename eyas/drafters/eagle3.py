@@ -16,6 +16,12 @@ from .base import Drafter
 from .layers import MLP, Attention, KVCache, RMSNorm
 
 
+def draft_to_target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary ids -> target ids (target = draft + d2t[draft]). Plain torch, so TorchScript compiles it inside
+    the served drafter's candidates too (eyas.proposer.ServedStep)."""
+    return draft_ids + d2t[draft_ids]
+
+
 class Eagle3Layer(nn.Module):
     """`midlayer`: token embedding and drafter state enter attention side by side."""
 
@@ -73,4 +79,4 @@ class Eagle3Drafter(Drafter):
         return self.lm_head(self.norm(state))  # [..., V_draft]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
+        return draft_to_target_ids(draft_ids, self.d2t)
