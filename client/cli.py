@@ -30,10 +30,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
     parser.add_argument("--draft-dtype", default="auto", help="with --local, the drafter's dtype: auto (the target's, but bfloat16 beside a float32 target on a CPU with bf16 units), float32, bfloat16 or float16; a service uses its config's models.draft_dtype")
-    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the three knobs, --local tunes the tree itself and a service uses its config's tree, auto by default)")
+    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the tree knobs, --local tunes the tree itself and a service uses its config's tree, auto by default)")
     parser.add_argument("--top-k", type=int, dest="ambiguous_top_k", help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help="tree depth (default 5)")
     parser.add_argument("--budget", type=int, help="verify budget, candidate nodes besides the root (default 32)")
+    parser.add_argument("--tree-stop", type=float, help="end a round's drafting where no frontier node's path value is at least this (default 0: draft every level; docs/tree.md#stopping)")
     parser.add_argument(
         "--allow-manifest-mismatch",
         action="store_true",
@@ -63,7 +64,7 @@ def tree_args(args: argparse.Namespace) -> dict:
     """The tree knobs given on the command line (the others keep their defaults)."""
     if args.ambiguous_top_k is not None:
         raise ValueError("--top-k: ambiguous, not accepted; the tree's expansion width is --tree-width, sampling top-k is --sample-top-k")
-    knobs = {"width": args.tree_width, "depth": args.depth, "budget": args.budget}
+    knobs = {"width": args.tree_width, "depth": args.depth, "budget": args.budget, "stop": args.tree_stop}
     return {k: v for k, v in knobs.items() if v is not None}
 
 
@@ -140,7 +141,7 @@ def _print_generation(client, args: argparse.Namespace, manifest_id: str, tree: 
         top_k=args.sample_top_k,
         seed=args.seed,
         stop=args.stop,
-        tree={"width": 8, "depth": 5, "budget": 32, **tree} if tree else None,
+        tree={"width": 8, "depth": 5, "budget": 32, "stop": 0.0, **tree} if tree else None,
     )
     tokens, text = [], []
     for chunk in client.stream(args.prompt, trace=args.trace, **options):
@@ -348,7 +349,7 @@ def format_status(status: dict) -> str:
                     f"    rank {r['rank']}  {r['device']:<7} node {r['node_id'][:8]}  pid {r['pid']}  "
                     f"weights {r['weight_bytes'] / 2**20:.1f} MiB  kv pool {r['kv_pool_bytes'] / 2**20:.1f} MiB"
                 )
-    knobs = lambda t: f"{t['width']}/{t['depth']}/{t['budget']}"  # noqa: E731
+    knobs = lambda t: f"{t['width']}/{t['depth']}/{t['budget']}" + (f" stop {t['stop']:g}" if t.get("stop") else "")  # noqa: E731
     if status.get("tree_auto"):
         chosen = ", ".join(f"{n} at once: {knobs(t)}" for n, t in sorted((status.get("tree_chosen") or {}).items(), key=lambda i: int(i[0])))
         lines.append(f"tree: auto (width/depth/budget chosen so far: {chosen or 'none yet'})")

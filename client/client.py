@@ -27,7 +27,7 @@ def default_address() -> str:
     """Where clients look for a service: $EYAS_SERVER, else 127.0.0.1:50051."""
     return os.environ.get(SERVER_ENV) or DEFAULT_ADDRESS
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")  # top_k: sampling top-k
-TREE_KNOBS = ("width", "depth", "budget")  # width: the tree's expansion width
+TREE_KNOBS = ("width", "depth", "budget")  # width: the tree's expansion width; "stop" may come with them
 
 
 class EyasError(RuntimeError):
@@ -99,9 +99,10 @@ def build_request(
         if value is not None:
             setattr(msg.sampling, name, value)
     if tree is not None:
-        if set(tree) != set(TREE_KNOBS):
-            raise ValueError(f"tree: give exactly {', '.join(TREE_KNOBS)} (width is the expansion width; top_k is sampling only), got {sorted(tree)}")
+        if set(tree) - {"stop"} != set(TREE_KNOBS):
+            raise ValueError(f"tree: give exactly {', '.join(TREE_KNOBS)}, and stop if wanted (width is the expansion width; top_k is sampling only), got {sorted(tree)}")
         msg.tree.width, msg.tree.depth, msg.tree.budget = (tree[knob] for knob in TREE_KNOBS)
+        msg.tree.stop = tree.get("stop", 0.0)
     return msg
 
 

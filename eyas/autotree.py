@@ -11,7 +11,10 @@ high-entropy target decoded greedily) its deep paths go unverified. Exploration 
 trees in turn: the wide one (scores width 3 and up), a narrow one of width 2 whose budget verifies
 every node it records (scores width 2 exactly), and a deep chain (scores chains exactly). Nodes a wide
 round left unverified count at the acceptance rate verified nodes of the same drafter probability had
-(`Calibration`), not at 0. Expected tokens per round over predicted round time picks the policy.
+(`Calibration`), not at 0. Chains that stop where the path's value falls under a floor (`TreePolicy.stop`) are
+replayed on the chain rounds the same way, which also gives the levels each would have drafted: their predicted
+time is that of the levels they draft on those rounds, not of their full depth. Expected tokens per round over
+predicted round time picks the policy.
 Realised acceptance is watched; when it drifts from the prediction, or after a while, the tuner
 explores again.
 
@@ -60,6 +63,7 @@ EXPLORE_NARROW = TreePolicy(width=2, depth=EXPLORE.depth, budget=reachable(2, EX
 EXPLORATIONS = (EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN)  # in the order exploring rounds take them
 LOCKSTEP_ROUNDS = 8  # rounds at a concurrency before its lockstep cost per level counts (and the choice is redone)
 TOP_KS = (1, 2, 3, 4, 6, 8)
+STOPS = (0.05, 0.1, 0.2, 0.3)  # floors of the chains scored beside fixed depths (TreePolicy.stop, docs/tree.md#stopping)
 BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65, 128, 256)  # past 65: several requests' trees in one forward
 DRAFT_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -68,8 +72,10 @@ MIN_OBSERVED = 8  # forwards of a model before its scale moves from 1
 
 
 def grid() -> list[TreePolicy]:
-    """Candidate policies: chains of every depth, and trees of every width, depth and budget that fits."""
+    """Candidate policies: chains of every depth, chains as deep as the exploring chain that stop at each of STOPS,
+    and trees of every width, depth and budget that fits."""
     policies = [TreePolicy(1, d, d) for d in range(1, EXPLORE.depth + 1)]
+    policies += [TreePolicy(1, EXPLORE.depth, EXPLORE.depth, stop) for stop in STOPS]
     for k in TOP_KS[1:]:
         for d in range(1, EXPLORE.depth + 1):
             policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable(k, d)]
@@ -100,6 +106,22 @@ def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
         if x <= x1:
             return y0 + (y1 - y0) * max(0.0, x - x0) / (x1 - x0)
     return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+
+
+Shape = tuple[float, float]  # a round's drafting levels and verified rows (the root's included)
+
+
+def full_shape(policy: TreePolicy) -> Shape:
+    """The levels and rows of a round that drafts every level of `policy` and verifies its whole budget."""
+    return float(policy.depth), float(policy.budget + 1)
+
+
+def realised_shape(record: RoundRecord) -> Shape:
+    """The levels a finished round drafted (its deepest recorded node, or verified row where the records stayed with
+    the drafter) and the rows it verified."""
+    tree = record.draft_tree
+    levels = max(tree.depths) if tree is not None else int(record.tree.depths.max()) if record.tree.num_rows else 0
+    return float(levels), float(record.tree.num_rows)
 
 
 @dataclass
@@ -149,25 +171,31 @@ class Costs:
             overall = self.scales[kind] = statistics.median(ratios)
             self.scaled[kind] = [y * self.point_scales.get((kind, i), overall) for i, y in enumerate(ys)]
 
-    def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
-        """Drafter steps (seed rows, then one step of width rows per further depth), each one forward over the rows
-        of `concurrent` requests."""
-        if not policy.depth:
+    def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, levels: float | None = None) -> float:
+        """Drafter steps (seed rows, then one step of width rows per further level), each one forward over the rows
+        of `concurrent` requests; `levels` drafted (default the policy's depth, which a policy that stops may not
+        reach)."""
+        levels = policy.depth if levels is None else levels
+        if not levels:
             return 0.0
         n = concurrent
-        return self.draft_at(n * seed_rows) + max(0, policy.depth - 1) * self.draft_at(n * policy.width)
+        return self.draft_at(n * seed_rows) + max(0.0, levels - 1) * self.draft_at(n * policy.width)
 
-    def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
+    def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
         """The drafter steps plus one verification, each one forward over the rows of `concurrent` requests."""
-        return self.draft_seconds_for(policy, seed_rows, concurrent) + self.verify_at(concurrent * (policy.budget + 1))
+        levels, rows = shape or full_shape(policy)
+        return self.draft_seconds_for(policy, seed_rows, concurrent, levels) + self.verify_at(concurrent * rows)
 
-    def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1) -> float:
+    def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
         `concurrent` requests stepping together (their bookkeeping takes turns, and each drafting level costs the
-        lockstep what was measured at that concurrency, or what the measured ones imply: `lockstep_at`)."""
-        overhead = policy.depth * self.overhead_per_depth + self.overhead_per_round + (policy.budget + 1) * self.overhead_per_row
-        lockstep = policy.depth * self.lockstep_at(concurrent)
-        return self.model_seconds(policy, seed_rows, concurrent) + concurrent * overhead + lockstep
+        lockstep what was measured at that concurrency, or what the measured ones imply: `lockstep_at`). `shape`:
+        the levels drafted and rows verified, where they are not the policy's depth and budget + 1 (a policy that
+        stops)."""
+        levels, rows = shape or full_shape(policy)
+        overhead = levels * self.overhead_per_depth + self.overhead_per_round + rows * self.overhead_per_row
+        lockstep = levels * self.lockstep_at(concurrent)
+        return self.model_seconds(policy, seed_rows, concurrent, (levels, rows)) + concurrent * overhead + lockstep
 
     def lockstep_at(self, concurrent: int) -> float:
         """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
@@ -251,8 +279,8 @@ class Replay:
 
     accept[node]: probability the node is accepted given its parent was (verified nodes). A node left unverified
     counts its rate under `rates` (`Calibration.rates`, frozen when the round was explored), or 0 without them.
-    The children of every node are kept in the drafter's own top-k order, and each (width, depth) expansion is
-    replayed once: its nodes in global order give the expected accepted tokens of every budget as a prefix sum.
+    The children of every node are kept in the drafter's own top-k order, and each (width, depth, stop) expansion
+    is replayed once: its nodes in global order give the expected accepted tokens of every budget as a prefix sum.
     """
 
     def __init__(self, tree: DraftTree, accept: dict[int, float], rates: list[float] | None = None):
@@ -262,15 +290,23 @@ class Replay:
         self.children = children_of(tree, list(range(len(tree))))
         for kids in self.children.values():
             kids.sort(key=lambda n: -tree.confidences[n])
-        self._by_budget: dict[tuple[int, int], list[float]] = {}
+        self._expansions: dict[tuple[int, int, float], tuple[list[float], int]] = {}
 
     def expected(self, policy: TreePolicy) -> float:
         """Expected accepted draft tokens had `policy` drafted this round."""
-        key = (policy.width, policy.depth)
-        if key not in self._by_budget:
-            self._by_budget[key] = self._replay(policy.width, policy.depth)
-        by_budget = self._by_budget[key]
+        by_budget, _ = self._expansion(policy)
         return by_budget[min(policy.budget, len(by_budget) - 1)]
+
+    def drafted(self, policy: TreePolicy) -> tuple[int, int]:
+        """The levels `policy` would have drafted this round and the rows it would have verified (root included)."""
+        by_budget, levels = self._expansion(policy)
+        return levels, min(policy.budget, len(by_budget) - 1) + 1
+
+    def _expansion(self, policy: TreePolicy) -> tuple[list[float], int]:
+        key = (policy.width, policy.depth, policy.stop)
+        if key not in self._expansions:
+            self._expansions[key] = self._replay(*key)
+        return self._expansions[key]
 
     def _acceptance(self, node: int) -> float:
         probability = self.accept.get(node)
@@ -278,12 +314,16 @@ class Replay:
             return probability
         return self.rates[Calibration.bin(self.tree.confidences[node])] if self.rates else 0.0
 
-    def _replay(self, width: int, depth: int) -> list[float]:
-        """[b] expected accepted tokens of the best b nodes the (width, depth) expansion records, b = 0 .. all."""
+    def _replay(self, width: int, depth: int, stop: float) -> tuple[list[float], int]:
+        """[b] expected accepted tokens of the best b nodes the (width, depth, stop) expansion records, b = 0 .. all;
+        and the levels it drafts (fewer than `depth` where it stops)."""
         tree = self.tree
-        frontier, recorded = [0], []
+        frontier, recorded, levels = [0], [], 0
         for _ in range(depth):
-            expanded = tree.ranked(frontier)[:width]
+            expanded = tree.best_of(frontier, width, stop)
+            if not expanded:
+                break
+            levels += 1
             frontier = [c for n in expanded for c in self.children.get(n, [])[:width]]
             recorded += frontier
         on_path = {0: 1.0}
@@ -291,7 +331,7 @@ class Replay:
         for node in tree.ranked(recorded):  # every prefix of the global order is ancestor-closed
             on_path[node] = on_path[tree.parents[node]] * self._acceptance(node)
             by_budget.append(by_budget[-1] + on_path[node])
-        return by_budget
+        return by_budget, levels
 
 
 class Explored:
@@ -329,6 +369,17 @@ class Explored:
         mean = total / n
         spread = max(0.0, squares - n * mean * mean) / max(1, n - 1)
         return mean, spread / n
+
+    def shape(self, policy: TreePolicy, concurrent: int = 1) -> Shape:
+        """What a round of `policy` drafts and verifies on these rounds: the levels of the deepest of `concurrent`
+        requests drafting together (their levels run in lockstep), each drawn from these rounds, and the mean rows
+        one request verifies."""
+        drafted = [replay.drafted(policy) for replay in self.replays]
+        n = len(drafted)
+        levels = [level for level, _ in drafted]
+        # E[max of `concurrent` draws] = sum over k >= 1 of P(max >= k) = 1 - P(one draw < k) ** concurrent
+        deepest = sum(1.0 - (sum(1 for level in levels if level < k) / n) ** concurrent for k in range(1, max(levels) + 1))
+        return deepest, sum(rows for _, rows in drafted) / n
 
 
 def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
@@ -475,10 +526,11 @@ class TreeTuner:
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
-        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1)
+        levels, rows = shape = realised_shape(record) if policy.stop else full_shape(policy)
+        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, shape=shape)
         tree = seconds.get("tree", 0.0)
         rest = max(0.0, observed - model - tree)
-        (self.overheads if exploring else self.chosen_overheads).append((tree / policy.depth, policy.budget + 1, rest))
+        (self.overheads if exploring else self.chosen_overheads).append((tree / max(1.0, levels), rows, rest))
         lone = [*self.overheads, *self.chosen_overheads]
         self.costs.overhead_per_depth = sum(d for d, _, _ in lone) / len(lone)
         if exploring:  # the line moves only with the exploring rounds
@@ -499,9 +551,10 @@ class TreeTuner:
             return
         if concurrent > 1 and policy in EXPLORATIONS:
             return  # its batch-mates drafted other trees: what its levels took says nothing about theirs
-        model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent)
+        levels = realised_shape(record)[0] if policy.stop else policy.depth
+        model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent, levels)
         samples = self.levels.setdefault(concurrent, deque(maxlen=64))
-        samples.append(max(0.0, record.seconds["draft"] - model) / policy.depth)
+        samples.append(max(0.0, record.seconds["draft"] - model) / max(1.0, levels))
         if concurrent == 1 or len(samples) < LOCKSTEP_ROUNDS:
             return
         alone = statistics.median(self.levels[1]) if 1 in self.levels else 0.0
@@ -530,8 +583,10 @@ class TreeTuner:
     def score(self, policy: TreePolicy, concurrent: int = 1) -> tuple[float, float]:
         """(expected tokens per round, expected tokens per second of each request) of `policy` on the explored rounds
         of its kind, when `concurrent` requests step together."""
-        tokens, _ = self.rounds_for(policy).tokens(policy)
-        return tokens, tokens / self.costs.round_seconds(policy, tokens, concurrent)
+        rounds = self.rounds_for(policy)
+        tokens, _ = rounds.tokens(policy)
+        shape = rounds.shape(policy, concurrent) if policy.stop else None
+        return tokens, tokens / self.costs.round_seconds(policy, tokens, concurrent, shape)
 
     def choose(self, concurrent: int = 1) -> TreePolicy:
         """The grid policy with the highest expected tokens per second for `concurrent` requests stepping together."""

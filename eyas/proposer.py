@@ -438,7 +438,9 @@ class DraftSession:
             else:
                 if stop is not None and stop():
                     return None
-                expanded = tree.expandable(policy.width)
+                expanded = tree.expandable(policy.width, policy.stop)
+                if not expanded:  # every frontier node's value is under the policy's floor
+                    break
                 out = yield from self._expand(tree, expanded, states, path_rows, prefix_len, policy.width)
                 expanded_count += len(expanded)
                 states.update(zip(expanded, out.states))

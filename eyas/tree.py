@@ -23,14 +23,19 @@ MASS_SLACK = 1e-12  # sibling probabilities may sum to one plus rounding, not mo
 
 @dataclass(frozen=True)
 class TreePolicy:
-    """The three separate EAGLE-2 knobs: expansion width, maximum depth, verify budget.
+    """The EAGLE-2 knobs: expansion width, maximum depth, verify budget, and a floor on the path value of the nodes
+    expanded.
 
-    `budget` counts candidate nodes; the root (last committed token) is verified on top of it.
+    `budget` counts candidate nodes; the root (last committed token) is verified on top of it. `stop` (0 <= stop < 1)
+    ends a round's drafting early: a node is expanded only while its path value (the product of the drafter's
+    probabilities from the root) is at least `stop`, and a round whose frontier has no such node drafts no further
+    (docs/tree.md#stopping). 0 drafts every level up to `depth`.
     """
 
     width: int = 8
     depth: int = 5
     budget: int = 32
+    stop: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.width) is not int or self.width < 1:
@@ -39,20 +44,22 @@ class TreePolicy:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise TreeError(name, f"must be a nonnegative integer, got {value!r}")
+        if type(self.stop) not in (int, float) or not 0.0 <= self.stop < 1.0:  # NaN fails the comparison too
+            raise TreeError("stop", f"must be a number in [0, 1), got {self.stop!r}")
 
     @classmethod
     def from_dict(cls, spec: dict | "TreePolicy" | None) -> "TreePolicy":
-        """Build a policy from a `{"width", "depth", "budget"}` mapping, refusing unknown keys (and the old name
-        `top_k`, which now means only sampling top-k)."""
+        """Build a policy from a `{"width", "depth", "budget", "stop"}` mapping (`stop` may be left out), refusing
+        unknown keys (and the old name `top_k`, which now means only sampling top-k)."""
         if spec is None:
             return cls()
         if isinstance(spec, TreePolicy):
             return spec
         if "top_k" in spec:
             raise TreeError("top_k", "the tree's expansion width is now called width (top_k is sampling top-k only)")
-        unknown = set(spec) - {"width", "depth", "budget"}
+        unknown = set(spec) - {"width", "depth", "budget", "stop"}
         if unknown:
-            raise TreeError(sorted(unknown)[0], "unknown tree knob (expected width, depth, budget)")
+            raise TreeError(sorted(unknown)[0], "unknown tree knob (expected width, depth, budget, stop)")
         return cls(**spec)
 
 
@@ -105,9 +112,17 @@ class DraftTree:
         values = self.log_values
         return sorted(nodes, key=lambda n: -values[n])  # stable: equal values keep their given order
 
-    def expandable(self, width: int) -> list[int]:
-        """The `width` highest-value nodes of the latest frontier: the ones the drafter expands next."""
-        return self.ranked(self.frontier)[:width]
+    def expandable(self, width: int, stop: float = 0.0) -> list[int]:
+        """The nodes the drafter expands next: `best_of` the latest frontier."""
+        return self.best_of(self.frontier, width, stop)
+
+    def best_of(self, nodes: list[int], width: int, stop: float = 0.0) -> list[int]:
+        """The `width` highest-value `nodes` whose path value is at least `stop` (TreePolicy.stop), best first."""
+        best = self.ranked(nodes)[:width]
+        if stop <= 0.0:
+            return best
+        floor = math.log(stop)
+        return [n for n in best if self.log_values[n] >= floor]
 
     def add_children(self, expanded: list[int], children: list[tuple[int, int, float]]) -> list[int]:
         """Record `(parent, token, confidence)` children of the `expanded` nodes; they become the new frontier."""

@@ -56,12 +56,12 @@ def ref(request_id: str, version: int, manifest_id: str) -> tpb.RequestRef:
 
 
 def policy_to_proto(policy: TreePolicy) -> pb.TreePolicy:
-    return pb.TreePolicy(width=policy.width, depth=policy.depth, budget=policy.budget)
+    return pb.TreePolicy(width=policy.width, depth=policy.depth, budget=policy.budget, stop=policy.stop)
 
 
 def policy_from_proto(msg: pb.TreePolicy) -> TreePolicy:
     """A tree policy; out-of-range knobs raise `TreeError` naming the knob."""
-    return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget)
+    return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget, stop=msg.stop)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:

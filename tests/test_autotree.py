@@ -1,5 +1,6 @@
 """Hardware-aware trees: replaying a smaller policy on an exploration tree predicts what that policy accepts."""
 
+import math
 from collections import deque
 from dataclasses import replace
 
@@ -77,9 +78,51 @@ def test_replayed_sub_policies_predict_their_greedy_acceptance_exactly(engine):
         assert predicted == actual.decision.num_accepted, policy
 
 
+def test_a_floor_ends_drafting_early_and_replays_predict_what_it_drafts_and_accepts(engine):
+    """A policy with `stop` expands only nodes whose value reaches it; replayed on an exploring round, it predicts the
+    greedy acceptance, the levels drafted and the rows verified of the round it drafts itself."""
+    params = SamplingParams()
+    proposal, verification = one_round(engine, EXPLORE, params)
+    replay = Replay(proposal.draft_tree, dict(zip(proposal.row_nodes, verification.row_probs.tolist())))
+    for policy in [TreePolicy(1, 8, 8, 0.5), TreePolicy(2, 6, 12, 0.5), TreePolicy(3, 8, 10, 0.4)]:
+        drafted, actual = one_round(engine, policy, params)
+        tree = drafted.draft_tree
+        levels = max(tree.depths)
+        assert levels < policy.depth  # the floor ended drafting early
+        expanded = {tree.parents[n] for n in range(1, len(tree))}
+        assert all(math.exp(tree.log_values[n]) >= policy.stop for n in expanded)
+        assert not tree.expandable(policy.width, policy.stop)  # drafting ended where no frontier node reached it
+        assert replay.expected(policy) == actual.decision.num_accepted
+        assert replay.drafted(policy) == (levels, drafted.tree.num_rows)
+
+
+def chain_replay(confidences: list[float]) -> Replay:
+    """A recorded chain with these confidences, every node accepted."""
+    tree, node = DraftTree(0), 0
+    for q in confidences:
+        (node,) = tree.add_children([node], [(node, 1, q)])
+    return Replay(tree, dict.fromkeys(range(1, len(tree)), 1.0))
+
+
+def test_a_chain_with_a_floor_is_priced_at_the_levels_it_drafts():
+    """Two chain rounds where a floor of 0.5 stops after 3 levels and after 1: a request alone drafts 2 on average,
+    two requests in lockstep 2.5 (the deeper of two draws), and the round is priced at that, not at the full depth."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0)
+    tuner.explored_chains.append(chain_replay([0.9, 0.9, 0.5, 0.9]))  # values 0.9, 0.81, 0.405: stops after 3
+    tuner.explored_chains.append(chain_replay([0.4, 0.9]))  # value 0.4: stops after 1
+    policy = TreePolicy(1, 8, 8, 0.5)
+    assert tuner.explored_chains.shape(policy, 1) == (2.0, 3.0)
+    assert tuner.explored_chains.shape(policy, 2) == (2.5, 3.0)
+    tokens, rate = tuner.score(policy)
+    assert tokens == 3.0 and rate == pytest.approx(3.0 / tuner.costs.round_seconds(policy, 3.0, 1, (2.0, 3.0)))
+    assert tuner.costs.round_seconds(policy, 3.0, 1, (2.0, 3.0)) < tuner.costs.round_seconds(policy, 3.0)
+    assert tuner.score(policy, 2)[1] == pytest.approx(3.0 / tuner.costs.round_seconds(policy, 3.0, 2, (2.5, 3.0)))
+
+
 def test_grid_covers_chains_and_trees_within_the_exploration_tree():
     policies = grid()
     assert TreePolicy(1, 5, 5) in policies and TreePolicy(8, 5, 32) in policies and TreePolicy(4, 4, 16) in policies
+    assert TreePolicy(1, EXPLORE.depth, EXPLORE.depth, 0.1) in policies
     assert all(p.width <= EXPLORE.width and p.depth <= EXPLORE.depth and p.budget <= EXPLORE.budget for p in policies)
 
 

@@ -97,6 +97,18 @@ def test_partially_right_drafter_keeps_greedy_exact_across_branches(family):
         assert len(gen.stats.accepted_length_histogram) > 2  # rounds accepted 0, 1 and more drafts
 
 
+def test_a_floor_on_the_tree_keeps_greedy_exact(family):
+    """Rounds that stop drafting where the path's value falls under the floor (here after 5 of 8 levels) commit the
+    same tokens."""
+    _, _, target, references = family
+    for prompt, reference in zip(PROMPTS, references):
+        engine = oracle_engine(target, prompt + reference, lambda p: p % 5, {"width": 2, "depth": 8, "budget": 16, "stop": 0.5})
+        depths = []
+        gen = engine.generate(prompt, max_new_tokens=NEW_TOKENS, on_round=lambda r: depths.append(max(r.draft_tree.depths)))
+        assert gen.token_ids == reference
+        assert max(depths) < 8
+
+
 @pytest.mark.parametrize("depth", [1, 3, 5])
 def test_oracle_drafter_accepts_full_depth_every_round(family, depth):
     """Proves publish loses nothing: target forwards per token = 1 / (depth + 1)."""

@@ -20,6 +20,11 @@ from eyas.tree import DraftTree, TreeError, TreePolicy, ancestry_mask, flatten, 
         ({"budget": -3}, "budget"),
         ({"budget": 1.5}, "budget"),
         ({"breadth": 3}, "breadth"),
+        ({"stop": -0.1}, "stop"),
+        ({"stop": 1.0}, "stop"),
+        ({"stop": math.nan}, "stop"),
+        ({"stop": "0.1"}, "stop"),
+        ({"stop": True}, "stop"),
     ],
 )
 def test_bad_knobs_are_refused_by_name(knobs, field):
@@ -30,7 +35,19 @@ def test_bad_knobs_are_refused_by_name(knobs, field):
 
 def test_knobs_are_separate():
     policy = TreePolicy.from_dict({"width": 3, "depth": 7, "budget": 11})
-    assert (policy.width, policy.depth, policy.budget) == (3, 7, 11)
+    assert (policy.width, policy.depth, policy.budget, policy.stop) == (3, 7, 11, 0.0)
+    assert TreePolicy.from_dict({"width": 1, "depth": 8, "budget": 8, "stop": 0.25}).stop == 0.25
+
+
+def test_a_floor_keeps_only_the_best_nodes_whose_value_reaches_it():
+    tree = DraftTree(0)
+    a, b, c = tree.add_children([0], [(0, 1, 0.5), (0, 2, 0.3), (0, 3, 0.1)])
+    assert tree.expandable(2) == [a, b]
+    assert tree.expandable(2, stop=0.3) == [a, b]  # a value equal to the floor is expanded
+    assert tree.expandable(3, stop=0.31) == [a]
+    assert tree.expandable(3, stop=0.6) == []
+    (a1,) = tree.add_children([a], [(a, 4, 0.5)])  # value 0.25
+    assert tree.expandable(1, stop=0.2) == [a1] and tree.best_of([a1, b, c], 3, stop=0.2) == [b, a1]
 
 
 @pytest.mark.parametrize(

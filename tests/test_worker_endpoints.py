@@ -71,6 +71,24 @@ def test_bfloat16_and_draft_ahead_workers_serve_what_the_engine_generates(worker
         ray.kill(actor)
 
 
+def test_a_floor_on_the_policy_crosses_the_wire_and_the_output_stays_exact(workers):
+    """A Draft call's policy carries its `stop`: at a floor no drafted node reaches, every round drafts one level."""
+    engine, (draft_info, target_info) = workers["engine"], workers["infos"]
+    policy = TreePolicy(**TREE, stop=0.999)
+    request = engine.new_request(PROMPT, NEW_TOKENS, request_id="floor")
+    timing = CallTiming()
+    draft = RemoteDraft(workers["draft"], "floor", draft_info.manifest_id, timing, target_info.vocab_size)
+    verifier = RemoteTarget(workers["target"], "floor", draft_info.manifest_id, timing, target_info.vocab_size, target_info.feature_width)
+    start(request, draft, verifier)
+    depths = []
+    while not request.done:
+        depths.append(int(run_round(request, draft, verifier, policy).tree.depths.max()))
+    draft.release()
+    verifier.release()
+    assert request.output == expected_output(workers)
+    assert set(depths) == {1} and TREE["depth"] > 1
+
+
 class Live:
     """One request mid-generation: both workers at `version`, a proposed tree waiting for verification."""
 
@@ -286,6 +304,9 @@ def test_bad_payloads_are_refused_naming_the_field(workers):
     assert refused(draft, "Start", pb.DraftStart(ref=fresh, features=narrow, tokens=[1])) == (INVALID, "features.shape")
     assert refused(draft, "Draft", live.draft_msg(root=500)) == (INVALID, "root_token")
     assert refused(draft, "Draft", live.draft_msg(policy=TreePolicy(4, 4, 100))) == (INVALID, "budget")
+    floorless = live.draft_msg()
+    floorless.policy.stop = 1.5
+    assert refused(draft, "Draft", floorless) == (INVALID, "stop")
     bad_reseed = live.reseed_msg(version=live.version - 1)
     bad_reseed.features.CopyFrom(narrow)
     assert refused(draft, "Reseed", bad_reseed) == (INVALID, "features.shape")

@@ -20,7 +20,13 @@ GRID = (
     TreePolicy(1, 3, 3), TreePolicy(1, 5, 5), TreePolicy(1, 7, 7),
     TreePolicy(2, 4, 8), TreePolicy(2, 6, 12), TreePolicy(4, 4, 16), TreePolicy(4, 6, 24),
     TreePolicy(8, 5, 32), TreePolicy(8, 6, 48), TreePolicy(8, 8, 64), TreePolicy(3, 6, 16), TreePolicy(6, 7, 40),
+    TreePolicy(1, 8, 8, 0.1), TreePolicy(1, 8, 8, 0.2),
 )
+
+
+def label(policy: TreePolicy) -> str:
+    """width/depth/budget, and the floor where there is one."""
+    return f"{policy.width}/{policy.depth}/{policy.budget}" + (f" stop {policy.stop:g}" if policy.stop else "")
 
 
 def run(drafter: str, n_prompts: int, blocks: int, max_new_tokens: int, temperature: float) -> dict:
@@ -29,7 +35,7 @@ def run(drafter: str, n_prompts: int, blocks: int, max_new_tokens: int, temperat
     auto = EyasRunner.load(suite.target, suite.drafters[drafter])
     runners = {("eyas", "auto", temperature): auto.run}
     for p in GRID:
-        runners[("eyas", f"{p.width}/{p.depth}/{p.budget}", temperature)] = EyasRunner(auto.engine, asdict(p)).run
+        runners[("eyas", label(p), temperature)] = EyasRunner(auto.engine, asdict(p)).run
     for runner in runners.values():  # warm-up, untimed: the tuner measures this machine's costs here
         runner(suite.prompts[:1], 8, temperature, 0)
     tallies = run_interleaved(runners, suite.prompts, blocks, max_new_tokens, seed=0)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TreePolicy(_message.Message):
-    __slots__ = ("width", "depth", "budget")
+    __slots__ = ("width", "depth", "budget", "stop")
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     width: int
     depth: int
     budget: int
-    def __init__(self, width: _Optional[int] = ..., depth: _Optional[int] = ..., budget: _Optional[int] = ...) -> None: ...
+    stop: float
+    def __init__(self, width: _Optional[int] = ..., depth: _Optional[int] = ..., budget: _Optional[int] = ..., stop: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
