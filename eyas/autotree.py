@@ -124,6 +124,12 @@ def realised_shape(record: RoundRecord) -> Shape:
     return float(levels), float(record.tree.num_rows)
 
 
+def priced_shape(record: RoundRecord, policy: TreePolicy) -> Shape:
+    """The shape a finished round of `policy` is priced at: what it drafted and verified where the policy stops at a
+    floor (its levels vary by round), else the policy's full shape."""
+    return realised_shape(record) if policy.stop else full_shape(policy)
+
+
 @dataclass
 class Costs:
     """Seconds per target verification by rows, per drafter step by rows, and outside the models: tree bookkeeping
@@ -526,7 +532,7 @@ class TreeTuner:
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
-        levels, rows = shape = realised_shape(record) if policy.stop else full_shape(policy)
+        levels, rows = shape = priced_shape(record, policy)
         model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, shape=shape)
         tree = seconds.get("tree", 0.0)
         rest = max(0.0, observed - model - tree)
@@ -551,7 +557,7 @@ class TreeTuner:
             return
         if concurrent > 1 and policy in EXPLORATIONS:
             return  # its batch-mates drafted other trees: what its levels took says nothing about theirs
-        levels = realised_shape(record)[0] if policy.stop else policy.depth
+        levels, _ = priced_shape(record, policy)
         model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent, levels)
         samples = self.levels.setdefault(concurrent, deque(maxlen=64))
         samples.append(max(0.0, record.seconds["draft"] - model) / max(1.0, levels))
