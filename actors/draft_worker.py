@@ -88,7 +88,7 @@ class DraftWorker(Worker):
         return measure_draft(self.model)
 
     def session_kv_bytes(self, session: DraftSession) -> int:
-        pending = session.pending_state
+        pending = session.pending_features
         return session.kv_bytes() + (pending.numel() * pending.element_size() if pending is not None else 0)
 
     def _features(self, msg: pb.Reseed | pb.DraftStart, field: str) -> tuple[torch.Tensor, list[int]]:

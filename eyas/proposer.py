@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -215,6 +215,19 @@ class DraftModel:
         """Rows `call` adds to a batch (its share of the row budget)."""
         return int(call.tokens.shape[0])
 
+    def _seeded(self, calls: list[RowsCall]) -> list[RowsCall]:
+        """`calls` with every call that carries target features given its drafter input states instead: one
+        `seed_hidden` product over the verified rows of all of them (a batch's reseeds cost one fc, not one each)."""
+        seeding = [i for i, c in enumerate(calls) if c.features is not None]
+        if not seeding:
+            return calls
+        lengths = [int(calls[i].features.shape[0]) for i in seeding]
+        states = self.drafter.seed_hidden(torch.cat([calls[i].features for i in seeding]))  # [sum m, F] -> [sum m, d]
+        calls = list(calls)
+        for i, s in zip(seeding, split_rows(states, lengths)):
+            calls[i] = replace(calls[i], states=s, features=None)
+        return calls
+
     def _run_in_background(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
         """One process: the drafting ahead runs alone on its own thread (the reseed waits for it)."""
         return self._background.submit(run_alone, steps)
@@ -227,6 +240,7 @@ class DraftModel:
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
         """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
         their rows' top-k candidates (one LM-head pass over the rows of all of them)."""
+        calls = self._seeded(calls)
         shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
         packed = pack(calls, self.pool, self.bucketed, shape)
         (out,) = self.graphs.run(packed) if shape else self._step(packed)  # [B, N, d]
@@ -267,7 +281,7 @@ class DraftSession:
         self.written = 0
         self.committed = 0
         self.version = 0
-        self.pending_state: torch.Tensor | None = None  # [m, d] drafter inputs of verified rows not yet run
+        self.pending_features: torch.Tensor | None = None  # [m, F] target features of verified rows not yet run
         self.pending_tokens: list[int] = []
         self.root_state: torch.Tensor | None = None  # [d] drafter output at the last committed row
         self.root_token: int | None = None
@@ -319,8 +333,8 @@ class DraftSession:
         self.written = self.committed
         if not tokens:
             return
-        state = self.drafter.seed_hidden(features.to(self.drafter.dtype))  # [m, d]
-        self.pending_state = state if self.pending_state is None else torch.cat([self.pending_state, state])
+        features = features.to(self.drafter.dtype)  # [m, F]: the drafter's next pass seeds them with its batch-mates'
+        self.pending_features = features if self.pending_features is None else torch.cat([self.pending_features, features])
         self.pending_tokens += [int(t) for t in tokens]
 
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
@@ -360,18 +374,18 @@ class DraftSession:
         `top_k`, returns the new root's top-k children candidates ([1, k] ids and probabilities) from the same pass,
         None when nothing was pending."""
         self.written = self.committed
-        if self.pending_state is None:
+        if self.pending_features is None:
             return None
         m = len(self.pending_tokens)
         visible = torch.ones(m, self.committed + m, dtype=torch.bool)
         visible[:, self.committed :] = torch.ones(m, m, dtype=torch.bool).tril()
         positions = torch.arange(self.committed, self.committed + m)
         tokens = torch.tensor(self.pending_tokens)
-        out = yield from self._run(RowsCall(self.slot, self.committed, tokens, positions, visible, self.pending_state, top_k, True))
+        out = yield from self._run(RowsCall(self.slot, self.committed, tokens, positions, visible, None, top_k, True, self.pending_features))
         self.committed += m
         self.root_state = out.states[-1]
         self.root_token = self.pending_tokens[-1]
-        self.pending_state = None
+        self.pending_features = None
         self.pending_tokens = []
         return None if out.tokens is None else (out.tokens, out.probs)
 

@@ -39,6 +39,8 @@ class RowsCall:
     states: torch.Tensor | None = None  # [N, d] drafter input states, in the drafter's dtype
     top_k: int = 0  # a drafter call: also return each row's top-k next-token candidates, from the same pass
     top_k_last: bool = False  # ... of its last row only
+    features: torch.Tensor | None = None  # [N, F] target features of verified rows, in place of `states`: the
+    # drafter's batch turns them into states (`seed_hidden`, EAGLE-3's fc) in one product for all its calls
 
 
 def merge_calls(calls: list[RowsCall]) -> RowsCall:
@@ -51,7 +53,10 @@ def merge_calls(calls: list[RowsCall]) -> RowsCall:
     at = first.start
     for call in calls:
         n = int(call.tokens.shape[0])
-        same_kind = call.top_k == first.top_k and not call.top_k_last and (call.states is None) == (first.states is None)
+        same_kind = (
+            call.top_k == first.top_k and not call.top_k_last and (call.states is None) == (first.states is None)
+            and call.features is None
+        )
         if call.slot != first.slot or call.start != at or not same_kind:
             raise ValueError("merge_calls: calls must share a slot and kind and write rows that follow one another")
         visible[at - first.start : at - first.start + n, : at + n] = call.visible
