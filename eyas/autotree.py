@@ -35,6 +35,7 @@ and otherwise by that median over all the model's recent forwards.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -69,17 +70,20 @@ VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 65, 128, 256)  # past 65: several
 DRAFT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 OBSERVED_FORWARDS = 64  # recent forwards per model whose time over the measured curve scales it
 MIN_OBSERVED = 8  # forwards of a model before its scale moves from 1
+LEVEL_PRIOR = 8.0  # pseudo-trials at the predicted rate that hold each level's correction near 1 (LevelCorrection)
+RECORRECT_ROUNDS = 32  # chosen rounds between two updates of the level corrections and the choices made on them
 
 
-def grid() -> list[TreePolicy]:
+@functools.cache
+def grid() -> tuple[TreePolicy, ...]:
     """Candidate policies: chains of every depth, chains as deep as the exploring chain that stop at each of STOPS,
-    and trees of every width, depth and budget that fits."""
+    and trees of every width, depth and budget that fits (built once: a choice scores them all)."""
     policies = [TreePolicy(1, d, d) for d in range(1, EXPLORE.depth + 1)]
     policies += [TreePolicy(1, EXPLORE.depth, EXPLORE.depth, stop) for stop in STOPS]
     for k in TOP_KS[1:]:
         for d in range(1, EXPLORE.depth + 1):
             policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable(k, d)]
-    return policies
+    return tuple(policies)
 
 
 def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
@@ -143,19 +147,28 @@ class Costs:
     overhead_per_round: float = 0.0
     overhead_per_row: float = 0.0
     lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
+    rest_per_round: dict[int, float] = field(default_factory=dict)  # concurrency -> seconds its rounds took beyond all that
     observed: dict[str, deque] = field(default_factory=dict)  # "verify" / "draft" -> recent observed / measured ratios
     observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (kind, measured point) -> ratios nearest it
     point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
     scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of all its ratios
     scaled: dict[str, list[float]] = field(default_factory=dict)  # "verify" / "draft" -> its curve, each point scaled
+    # (kind, rows) -> seconds, until the next observed forward: a choice prices a few dozen row counts, many times each
+    _at: dict[tuple[str, float], float] = field(default_factory=dict, repr=False, compare=False)
 
     def verify_at(self, rows: float) -> float:
         """Seconds of one target forward over `rows` rows, as measured, scaled by what forwards took in rounds."""
-        return _interpolate(self.verify_rows, self.scaled.get("verify", self.verify_seconds), rows)
+        key = ("verify", rows)
+        if key not in self._at:
+            self._at[key] = _interpolate(self.verify_rows, self.scaled.get("verify", self.verify_seconds), rows)
+        return self._at[key]
 
     def draft_at(self, rows: float) -> float:
         """Seconds of one drafter forward over `rows` rows, likewise."""
-        return _interpolate(self.draft_rows, self.scaled.get("draft", self.draft_seconds), rows)
+        key = ("draft", rows)
+        if key not in self._at:
+            self._at[key] = _interpolate(self.draft_rows, self.scaled.get("draft", self.draft_seconds), rows)
+        return self._at[key]
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         """Fold in one forward a round ran: `kind` "verify" (the target) or "draft", over `rows` rows in `seconds`.
@@ -165,6 +178,7 @@ class Costs:
         xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
         if not 0 < rows <= xs[-1]:
             return
+        self._at.clear()
         ratio = seconds / _interpolate(xs, ys, rows)
         ratios = self.observed.setdefault(kind, deque(maxlen=OBSERVED_FORWARDS))
         ratios.append(ratio)
@@ -192,34 +206,51 @@ class Costs:
         levels, rows = shape or full_shape(policy)
         return self.draft_seconds_for(policy, seed_rows, concurrent, levels) + self.verify_at(concurrent * rows)
 
-    def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
+    def round_seconds(
+        self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None, rest: bool = True
+    ) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
-        `concurrent` requests stepping together (their bookkeeping takes turns, and each drafting level costs the
-        lockstep what was measured at that concurrency, or what the measured ones imply: `lockstep_at`). `shape`:
-        the levels drafted and rows verified, where they are not the policy's depth and budget + 1 (a policy that
-        stops)."""
+        `concurrent` requests stepping together (their bookkeeping takes turns, each drafting level costs the
+        lockstep what was measured at that concurrency, or what the measured ones imply: `lockstep_at`, and with
+        `rest` their rounds take what the rounds measured there took beyond all that: `rest_at`). `shape`: the
+        levels drafted and rows verified, where they are not the policy's depth and budget + 1 (a policy that
+        stops). Never less than the model forwards alone."""
         levels, rows = shape or full_shape(policy)
         overhead = levels * self.overhead_per_depth + self.overhead_per_round + rows * self.overhead_per_row
         lockstep = levels * self.lockstep_at(concurrent)
-        return self.model_seconds(policy, seed_rows, concurrent, (levels, rows)) + concurrent * overhead + lockstep
+        model = self.model_seconds(policy, seed_rows, concurrent, (levels, rows))
+        extra = concurrent * overhead + lockstep + (self.rest_at(concurrent) if rest else 0.0)
+        return model + max(0.0, extra)
 
     def lockstep_at(self, concurrent: int) -> float:
         """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
         else interpolated between the nearest measured ones (none extra for a lone request), and past the largest in
         proportion to the requests. A batch's tail runs ever fewer requests as they finish, each count for a few
         rounds only; priced at 0 there, they would draft as deep as a lone request."""
-        measured = self.lockstep_per_level
-        if concurrent <= 1 or not measured:
-            return 0.0
-        if concurrent in measured:
-            return measured[concurrent]
-        points = sorted([(1, 0.0), *measured.items()])
-        x0, y0 = max(point for point in points if point[0] < concurrent)
-        above = [point for point in points if point[0] > concurrent]
-        if not above:
-            return y0 * concurrent / x0
-        x1, y1 = min(above)
-        return y0 + (y1 - y0) * (concurrent - x0) / (x1 - x0)
+        return by_concurrency(self.lockstep_per_level, concurrent)
+
+    def rest_at(self, concurrent: int) -> float:
+        """Seconds a round of `concurrent` requests stepping together takes beyond its forwards, their bookkeeping
+        (priced at a lone round's, times the requests) and the lockstep's levels, from the rounds measured at that
+        concurrency and the others like `lockstep_at` (may be negative: requests together share some of a lone
+        round's bookkeeping)."""
+        return by_concurrency(self.rest_per_round, concurrent)
+
+
+def by_concurrency(measured: dict[int, float], concurrent: int) -> float:
+    """A cost measured at some concurrencies, at `concurrent`: the measured value, else linear between the nearest
+    measured ones and (1, 0), and past the largest in proportion to the requests."""
+    if concurrent <= 1 or not measured:
+        return 0.0
+    if concurrent in measured:
+        return measured[concurrent]
+    points = sorted([(1, 0.0), *measured.items()])
+    x0, y0 = max(point for point in points if point[0] < concurrent)
+    above = [point for point in points if point[0] > concurrent]
+    if not above:
+        return y0 * concurrent / x0
+    x1, y1 = min(above)
+    return y0 + (y1 - y0) * (concurrent - x0) / (x1 - x0)
 
 
 def _best_of(run, repeats: int) -> float:
@@ -296,19 +327,27 @@ class Replay:
         self.children = children_of(tree, list(range(len(tree))))
         for kids in self.children.values():
             kids.sort(key=lambda n: -tree.confidences[n])
-        self._expansions: dict[tuple[int, int, float], tuple[list[float], int]] = {}
+        self._expansions: dict[tuple[int, int, float], tuple[list[float], int, list[tuple[int, float]]]] = {}
 
     def expected(self, policy: TreePolicy) -> float:
         """Expected accepted draft tokens had `policy` drafted this round."""
-        by_budget, _ = self._expansion(policy)
+        by_budget, _, _ = self._expansion(policy)
         return by_budget[min(policy.budget, len(by_budget) - 1)]
+
+    def by_depth(self, policy: TreePolicy) -> list[float]:
+        """`expected(policy)` split by depth: [D] the expected accepted nodes at depths 1 .. D (D = EXPLORE.depth)."""
+        by_budget, _, ranked = self._expansion(policy)
+        sums = [0.0] * EXPLORE.depth
+        for depth, value in ranked[: min(policy.budget, len(by_budget) - 1)]:
+            sums[depth - 1] += value
+        return sums
 
     def drafted(self, policy: TreePolicy) -> tuple[int, int]:
         """The levels `policy` would have drafted this round and the rows it would have verified (root included)."""
-        by_budget, levels = self._expansion(policy)
+        by_budget, levels, _ = self._expansion(policy)
         return levels, min(policy.budget, len(by_budget) - 1) + 1
 
-    def _expansion(self, policy: TreePolicy) -> tuple[list[float], int]:
+    def _expansion(self, policy: TreePolicy) -> tuple[list[float], int, list[tuple[int, float]]]:
         key = (policy.width, policy.depth, policy.stop)
         if key not in self._expansions:
             self._expansions[key] = self._replay(*key)
@@ -320,9 +359,10 @@ class Replay:
             return probability
         return self.rates[Calibration.bin(self.tree.confidences[node])] if self.rates else 0.0
 
-    def _replay(self, width: int, depth: int, stop: float) -> tuple[list[float], int]:
+    def _replay(self, width: int, depth: int, stop: float) -> tuple[list[float], int, list[tuple[int, float]]]:
         """[b] expected accepted tokens of the best b nodes the (width, depth, stop) expansion records, b = 0 .. all;
-        and the levels it drafts (fewer than `depth` where it stops)."""
+        the levels it drafts (fewer than `depth` where it stops); and the recorded nodes' (depth, chance to be on the
+        accepted path), best first."""
         tree = self.tree
         frontier, recorded, levels = [0], [], 0
         for _ in range(depth):
@@ -334,10 +374,12 @@ class Replay:
             recorded += frontier
         on_path = {0: 1.0}
         by_budget = [0.0]
+        ranked = []
         for node in tree.ranked(recorded):  # every prefix of the global order is ancestor-closed
             on_path[node] = on_path[tree.parents[node]] * self._acceptance(node)
             by_budget.append(by_budget[-1] + on_path[node])
-        return by_budget, levels
+            ranked.append((tree.depths[node], on_path[node]))
+        return by_budget, levels, ranked
 
 
 class Explored:
@@ -348,7 +390,8 @@ class Explored:
     def __init__(self, size: int = 32):
         self.size = size
         self.replays: deque[Replay] = deque()
-        self._sums: dict[TreePolicy, tuple[float, float]] = {}  # policy -> sum and sum of squares of its tokens
+        # policy -> sum and sum of squares of its tokens, and the sum of its accepted nodes at each depth
+        self._sums: dict[TreePolicy, tuple[float, float, list[float]]] = {}
 
     def __len__(self) -> int:
         return len(self.replays)
@@ -361,20 +404,40 @@ class Explored:
         self._add(replay, 1.0)
 
     def _add(self, replay: Replay, sign: float) -> None:
-        for policy, (total, squares) in self._sums.items():
+        for policy, (total, squares, depths) in self._sums.items():
             x = 1.0 + replay.expected(policy)
-            self._sums[policy] = (total + sign * x, squares + sign * x * x)
+            depths = [d + sign * v for d, v in zip(depths, replay.by_depth(policy))]
+            self._sums[policy] = (total + sign * x, squares + sign * x * x, depths)
 
-    def tokens(self, policy: TreePolicy) -> tuple[float, float]:
-        """(mean, variance of that mean) of the tokens per round `policy` would have committed on these rounds."""
+    def tokens(self, policy: TreePolicy, factors: list[float] | None = None) -> tuple[float, float]:
+        """(mean, variance of that mean) of the tokens per round `policy` would have committed on these rounds. With
+        `factors` [D], its accepted nodes at depth k count `factors[k - 1]` each (`LevelCorrection`); the variance is
+        that of the rounds as recorded."""
         if policy not in self._sums:
             values = [1.0 + replay.expected(policy) for replay in self.replays]
-            self._sums[policy] = (sum(values), sum(x * x for x in values))
-        total, squares = self._sums[policy]
+            depths = [sum(column) for column in zip(*(replay.by_depth(policy) for replay in self.replays))]
+            self._sums[policy] = (sum(values), sum(x * x for x in values), depths)
+        total, squares, depths = self._sums[policy]
         n = len(self.replays)
         mean = total / n
         spread = max(0.0, squares - n * mean * mean) / max(1, n - 1)
+        if factors is not None:
+            mean = 1.0 + sum(f * d for f, d in zip(factors, depths)) / n
         return mean, spread / n
+
+    def chain_levels(self, policy: TreePolicy) -> list[tuple[float, float]]:
+        """For a chain (width 1), at each level it drafts and verifies on these rounds, on average: (the chance the
+        round reaches that level's node, the chance that node is accepted), [D] pairs, (0, 0) past its depth."""
+        levels = [(0.0, 0.0)] * EXPLORE.depth
+        n = len(self.replays)
+        for replay in self.replays:
+            drafted, rows = replay.drafted(policy)
+            reach = 1.0
+            for k, accepted in enumerate(replay.by_depth(policy)[: min(drafted, rows - 1)]):
+                t, a = levels[k]
+                levels[k] = (t + reach / n, a + accepted / n)
+                reach = accepted
+        return levels
 
     def shape(self, policy: TreePolicy, concurrent: int = 1) -> Shape:
         """What a round of `policy` drafts and verifies on these rounds: the levels of the deepest of `concurrent`
@@ -386,6 +449,46 @@ class Explored:
         # E[max of `concurrent` draws] = sum over k >= 1 of P(max >= k) = 1 - P(one draw < k) ** concurrent
         deepest = sum(1.0 - (sum(1 for level in levels if level < k) / n) ** concurrent for k in range(1, max(levels) + 1))
         return deepest, sum(rows for _, rows in drafted) / n
+
+
+class LevelCorrection:
+    """How much more or less often the target accepts a node at each depth in the rounds being run than in the rounds
+    explored, measured like for like on chosen chain rounds.
+
+    The explored rounds are few, and the first ones are one prompt's opening, so their acceptance can be far from
+    that of the text being decoded, the more so the deeper a policy drafts (each level's error multiplies). A chosen
+    chain round is a direct sample: at each level it drafted and verified, whether the round reached that level's node
+    and whether the target accepted it. Set beside what the explored rounds predict for the same policy at the same
+    levels (`Explored.chain_levels`), the recent chosen chain rounds give at each depth k the ratio C_k of the
+    conditional acceptance seen to that predicted, and every policy's accepted nodes at depth k then count
+    C_1 x ... x C_k each (`Explored.tokens`). A fixed chain stops at its depth whatever it accepts, and a chain with a
+    floor stops where the drafter is unsure, as its prediction on the explored rounds does: either way both sides
+    count the same levels.
+    """
+
+    def __init__(self, size: int = 256):
+        self.rounds: deque[tuple[list[tuple[float, float]], list[tuple[float, float]]]] = deque(maxlen=size)
+        self.added = 0
+
+    def add(self, seen: list[tuple[float, float]], predicted: list[tuple[float, float]]) -> None:
+        """One chosen chain round: per level, [D] (reached, accepted) as it ran and as the explored rounds predict."""
+        self.rounds.append((seen, predicted))
+        self.added += 1
+
+    def factors(self) -> list[float]:
+        """[D] the weight of an accepted node at depth 1 .. D: the product of the corrections C_1 .. C_k, each pulled
+        towards 1 by LEVEL_PRIOR trials at the predicted rate, and capped where the corrected rate would exceed 1."""
+        out, product = [], 1.0
+        for k in range(EXPLORE.depth):
+            reached = sum(seen[k][0] for seen, _ in self.rounds)
+            accepted = sum(seen[k][1] for seen, _ in self.rounds)
+            predicted_reached = sum(predicted[k][0] for _, predicted in self.rounds)
+            predicted_accepted = sum(predicted[k][1] for _, predicted in self.rounds)
+            if predicted_accepted > 0.0:
+                rate = predicted_accepted / predicted_reached
+                product *= min(1.0 / rate, (accepted + LEVEL_PRIOR * rate) / (reached + LEVEL_PRIOR) / rate)
+            out.append(product)
+        return out
 
 
 def expected_accepted(tree: DraftTree, accept: dict[int, float], policy: TreePolicy) -> float:
@@ -424,13 +527,17 @@ class TreeTuner:
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone exploring rounds: (tree/depth, rows, rest)
     chosen_overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone chosen rounds, likewise
     levels: dict[int, deque] = field(default_factory=dict)  # concurrency -> drafting seconds per level beyond the model
+    rests: dict[int, deque] = field(default_factory=dict)  # concurrency -> round seconds beyond the prediction
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0  # exploring rounds still to hand out
     since_choice: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
+    corrections: LevelCorrection = field(default_factory=LevelCorrection)  # chosen chain rounds against predictions
+    factors: list[float] | None = None  # [D] weight of an accepted node at each depth (LevelCorrection.factors)
     refreshes: int = 0  # exploring rounds run since the first exploration
     explorations: int = 0  # exploring rounds handed out so far: the first exploration, after drifts, refreshes
     _credit: float = 0.0  # rounds towards the next exploring one, each over the requests stepping with it
+    chosen_rounds: int = 0  # chosen rounds observed so far (every RECORRECT_ROUNDS, the choices are made again)
 
     def __post_init__(self) -> None:
         self.exploring = self.explore_rounds
@@ -467,7 +574,8 @@ class TreeTuner:
     def observe(self, record: RoundRecord, concurrent: int = 1) -> None:
         """Fold in one finished round (run beside `concurrent - 1` others): an exploring round is kept and every
         concurrency chooses again; a chosen round's acceptance is checked against its prediction, and on drift or
-        after a while the tuner explores again."""
+        after a while the tuner explores again; every RECORRECT_ROUNDS chosen rounds, the choice is made again on
+        what they taught (`_choose_again`)."""
         self._measure_lockstep(record, concurrent)
         if record.policy in EXPLORATIONS:
             self._explored(record, concurrent)
@@ -475,6 +583,15 @@ class TreeTuner:
             return
         if self.exploring:
             return  # drafted before an exploration began (requests stepping together have rounds in flight)
+        self._measure_rest(record, concurrent)
+        self._correct_levels(record)
+        self._check(record, concurrent)
+        self.chosen_rounds += 1
+        if self.chosen_rounds % RECORRECT_ROUNDS == 0 and not self.exploring:
+            self._choose_again(concurrent)
+
+    def _check(self, record: RoundRecord, concurrent: int) -> None:
+        """A chosen round against the prediction it was chosen on: drift, or a long while on one choice, explores."""
         chosen = self.choices.get(concurrent)
         if chosen is None or chosen.policy != record.policy:
             return  # a round drafted before the latest choice predicts nothing about it
@@ -486,6 +603,45 @@ class TreeTuner:
             if self.drifted() or self.since_choice >= self.revisit_every:
                 self._explore_again(concurrent)
                 self.realised.clear()
+
+    def _correct_levels(self, record: RoundRecord) -> None:
+        """Set a chosen chain round beside what the explored chain rounds predict of its policy, level by level."""
+        policy = record.policy
+        if policy is None or policy.width != 1 or not self.explored_chains:
+            return
+        levels, rows = realised_shape(record)
+        verified = int(min(levels, rows - 1))
+        accepted = record.decision.num_accepted
+        seen = [(float(accepted >= k), float(accepted > k)) for k in range(verified)]
+        self.corrections.add(seen + [(0.0, 0.0)] * (EXPLORE.depth - verified), self.explored_chains.chain_levels(policy))
+
+    def _measure_rest(self, record: RoundRecord, concurrent: int) -> None:
+        """Learn what a chosen round of `concurrent` requests stepping together takes beyond its prediction: their
+        bookkeeping is priced at a lone round's times the requests, which a lone round's noise multiplies and which
+        requests together partly share. The median over that concurrency's recent rounds, once LOCKSTEP_ROUNDS are
+        in after that concurrency's lockstep cost, counts in every policy's round there (`Costs.rest_at`)."""
+        policy = record.policy
+        if concurrent not in self.costs.lockstep_per_level or policy is None or not policy.depth or "draft" not in record.seconds:
+            return  # a lone round, or the lockstep's cost at this concurrency, learned from the same rounds, not yet in
+        observed = sum(record.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
+        shape = priced_shape(record, policy)
+        predicted = self.costs.round_seconds(policy, record.decision.num_accepted + 1, concurrent, shape, rest=False)
+        samples = self.rests.setdefault(concurrent, deque(maxlen=64))
+        samples.append(observed - predicted)
+        if len(samples) >= LOCKSTEP_ROUNDS:
+            self.costs.rest_per_round[concurrent] = statistics.median(samples)
+
+    def _choose_again(self, concurrent: int) -> None:
+        """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the chain rounds since, `concurrent`
+        chooses again on them and on the costs learned meanwhile (keeping its count of rounds since the choice where
+        the choice stands), and the other concurrencies when they next step (a choice scores the whole grid)."""
+        if self.corrections.rounds:
+            self.factors = self.corrections.factors()
+        before = self.choices.get(concurrent)
+        self.choices = {} if before is None else {concurrent: before}
+        since = self.since_choice
+        if self.choose(concurrent) == (before and before.policy):
+            self.since_choice = since
 
     def _explore_again(self, concurrent: int) -> None:
         """After drift, or a long while on one choice: a lone request explores `explore_rounds` rounds again. Requests
@@ -580,7 +736,13 @@ class TreeTuner:
 
     def rounds_of(self, exploration: TreePolicy) -> Explored:
         """Where the rounds of one of EXPLORATIONS are kept."""
-        return {EXPLORE: self.explored, EXPLORE_NARROW: self.explored_narrow, EXPLORE_CHAIN: self.explored_chains}[exploration]
+        if exploration == EXPLORE:
+            return self.explored
+        if exploration == EXPLORE_NARROW:
+            return self.explored_narrow
+        if exploration == EXPLORE_CHAIN:
+            return self.explored_chains
+        raise KeyError(exploration)
 
     def _any_explored(self) -> bool:
         """Whether any exploring round has been kept yet."""
@@ -590,7 +752,7 @@ class TreeTuner:
         """(expected tokens per round, expected tokens per second of each request) of `policy` on the explored rounds
         of its kind, when `concurrent` requests step together."""
         rounds = self.rounds_for(policy)
-        tokens, _ = rounds.tokens(policy)
+        tokens, _ = rounds.tokens(policy, self.factors)
         shape = rounds.shape(policy, concurrent) if policy.stop else None
         return tokens, tokens / self.costs.round_seconds(policy, tokens, concurrent, shape)
 

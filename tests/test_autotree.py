@@ -16,9 +16,12 @@ from eyas.autotree import (
     EXPLORE,
     EXPLORE_CHAIN,
     EXPLORE_NARROW,
+    LEVEL_PRIOR,
     LOCKSTEP_ROUNDS,
     MIN_OBSERVED,
+    RECORRECT_ROUNDS,
     Costs,
+    LevelCorrection,
     Replay,
     TreeTuner,
     expected_accepted,
@@ -29,10 +32,11 @@ from eyas.drafters import drafter_config
 from eyas.outcomes import Calibration
 from eyas.proposer import DraftSession
 from eyas.request import RequestState, StopRules
-from eyas.rounds import start
+from eyas.rounds import RoundRecord, start
 from eyas.sampling import SamplingParams
 from eyas.target import TargetSession
-from eyas.tree import DraftTree, TreePolicy
+from eyas.tree import DraftTree, TreePolicy, flatten
+from eyas.treerows import AcceptanceDecision
 
 PROMPT = [5, 17, 33, 8, 9, 41, 77, 12]
 
@@ -117,6 +121,84 @@ def test_a_chain_with_a_floor_is_priced_at_the_levels_it_drafts():
     assert tokens == 3.0 and rate == pytest.approx(3.0 / tuner.costs.round_seconds(policy, 3.0, 1, (2.0, 3.0)))
     assert tuner.costs.round_seconds(policy, 3.0, 1, (2.0, 3.0)) < tuner.costs.round_seconds(policy, 3.0)
     assert tuner.score(policy, 2)[1] == pytest.approx(3.0 / tuner.costs.round_seconds(policy, 3.0, 2, (2.5, 3.0)))
+
+
+def chain_round(policy: TreePolicy, accepted: int, draft: float = 0.005, verify: float = 0.005) -> RoundRecord:
+    """A finished round of the chain `policy` (no floor) whose first `accepted` nodes the target accepted, its drafting
+    and verification taking `draft` and `verify` seconds."""
+    tree, node = DraftTree(0), 0
+    for level in range(policy.depth):
+        (node,) = tree.add_children([node], [(node, level + 1, 0.9)])
+    nodes = list(range(1, len(tree)))
+    decision = AcceptanceDecision(tuple(range(accepted + 1)), tuple(range(1, accepted + 1)), 99, 1.0)
+    return RoundRecord(
+        0, flatten(tree, nodes, 8), decision, [], policy.depth, len(tree), 0, 0, frozenset(),
+        {"draft": draft, "tree": 0.0, "verify": verify, "publish": 0.0}, draft_tree=tree, row_nodes=[0, *nodes],
+        policy=policy,
+    )
+
+
+def test_chosen_chain_rounds_correct_every_depth_like_for_like():
+    """Explored chain rounds accept every node; the chosen 1/4/4 rounds accept their first node only. Level 1 is as
+    predicted; at level 2 the rounds reached it every time and never got it accepted, so its acceptance is corrected
+    to LEVEL_PRIOR pseudo-trials out of as many plus the rounds seen; past it nothing was seen, so nothing more
+    changes. Every depth from 2 on then counts that much, deep policies lose most, and after RECORRECT_ROUNDS chosen
+    rounds the choice is made again on the corrected predictions."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0, explore_every=0)
+    for _ in range(4):
+        tuner.explored_chains.append(chain_replay([0.9] * EXPLORE.depth))
+    deep = TreePolicy(1, 4, 4)
+    assert tuner.explored_chains.chain_levels(deep)[:5] == [(1.0, 1.0)] * 4 + [(0.0, 0.0)]
+    assert tuner.score(deep)[0] == 5.0
+    tuner.choices[1] = replace(tuner.choice(1), policy=deep)  # as if chosen on those predictions
+    for _ in range(RECORRECT_ROUNDS - 1):
+        tuner.observe(chain_round(deep, accepted=1), 1)
+    assert tuner.factors is None and tuner.choice(1).policy == deep
+    tuner.observe(chain_round(deep, accepted=1), 1)
+    level2 = LEVEL_PRIOR / (RECORRECT_ROUNDS + LEVEL_PRIOR)
+    assert tuner.factors == pytest.approx([1.0] + [level2] * (EXPLORE.depth - 1))
+    assert tuner.score(deep)[0] == pytest.approx(2.0 + 3 * level2)
+    assert tuner.score(TreePolicy(1, 1, 1))[0] == 2.0
+    assert tuner.choice(1).policy.depth < deep.depth
+
+
+def test_level_corrections_compare_a_floor_with_its_own_prediction():
+    """A chain with a floor drafts only while it is sure, on the explored rounds as in the rounds it runs: its levels
+    are set beside the same policy's, so a floor that stops early is not read as a drop in acceptance."""
+    correction = LevelCorrection()
+    explored = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003])).explored_chains
+    explored.append(chain_replay([0.9, 0.9, 0.3, 0.9]))  # values 0.9, 0.81, 0.243: a floor of 0.5 drafts 3 levels
+    floor = TreePolicy(1, 8, 8, 0.5)
+    predicted = explored.chain_levels(floor)
+    assert predicted[:4] == [(1.0, 1.0)] * 3 + [(0.0, 0.0)]
+    correction.add([(1.0, 1.0)] * 3 + [(0.0, 0.0)] * (EXPLORE.depth - 3), predicted)
+    assert correction.factors() == [1.0] * EXPLORE.depth
+    correction.add([(1.0, 1.0), (1.0, 0.0), (0.0, 0.0)] + [(0.0, 0.0)] * (EXPLORE.depth - 3), predicted)
+    level2 = (1.0 + LEVEL_PRIOR) / (2.0 + LEVEL_PRIOR)  # one of two rounds accepted the second node
+    assert correction.factors() == pytest.approx([1.0] + [level2] * (EXPLORE.depth - 1))
+
+
+def test_rounds_of_requests_together_are_priced_at_what_they_took():
+    """Beside batch-mates a round's bookkeeping is priced at a lone round's times the requests; once the lockstep's
+    cost at that concurrency is in, what the rounds there took beyond the prediction (their median, after
+    LOCKSTEP_ROUNDS) counts in every policy's round there, and between measured concurrencies in proportion."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0, explore_every=0)
+    tuner.explored_chains.append(chain_replay([0.9] * EXPLORE.depth))
+    tuner.costs.overhead_per_round = 0.004  # a lone round's bookkeeping: 32 ms for 8 requests
+    policy = TreePolicy(1, 2, 2)
+    predicted = tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0))
+    draft = tuner.costs.draft_seconds_for(policy, 2.0, 8)  # levels that cost the lockstep nothing beyond the drafter
+    tuner.levels[8] = deque([0.0] * LOCKSTEP_ROUNDS, maxlen=64)
+    tuner.costs.lockstep_per_level[8] = 0.0
+    for _ in range(LOCKSTEP_ROUNDS):
+        tuner.observe(chain_round(policy, accepted=1, draft=draft, verify=predicted - 0.020 - draft), 8)
+    assert tuner.costs.lockstep_per_level[8] == 0.0
+    assert tuner.costs.rest_at(8) == pytest.approx(-0.020)
+    assert tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0)) == pytest.approx(predicted - 0.020)
+    assert tuner.costs.rest_at(4) == pytest.approx(-0.020 * 3 / 7) and tuner.costs.rest_at(1) == 0.0
+    model = tuner.costs.model_seconds(policy, 2.0, 8, (2.0, 3.0))
+    tuner.costs.rest_per_round[8] = -1.0
+    assert tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0)) == model  # never less than the forwards
 
 
 def test_grid_covers_chains_and_trees_within_the_exploration_tree():
@@ -280,12 +362,11 @@ def test_beside_batch_mates_drift_explores_one_round_not_a_whole_exploration(eng
     chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
     tuner.revisit_every = 1  # every full window of realised rounds now explores again
     for concurrent in (8, 1):
-        record = replace(chosen, policy=tuner.choice(concurrent).policy)
         refreshes = tuner.refreshes
         tuner.realised.clear()
         for _ in range(tuner.realised.maxlen):
             assert tuner.exploring == 0
-            tuner.observe(record, concurrent)
+            tuner.observe(replace(chosen, policy=tuner.choice(concurrent).policy), concurrent)  # the choice may move
         if concurrent == 8:
             assert tuner.exploring == 0
             policies = [tuner.policy(8) for _ in range(8)]
