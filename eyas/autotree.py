@@ -327,7 +327,7 @@ class Replay:
         self.children = children_of(tree, list(range(len(tree))))
         for kids in self.children.values():
             kids.sort(key=lambda n: -tree.confidences[n])
-        self._expansions: dict[tuple[int, int, float], tuple[list[float], int, list[tuple[int, float]]]] = {}
+        self._expansions: dict[tuple[int, int, float], tuple[list[float], int, list[tuple[int, int, float]]]] = {}
 
     def expected(self, policy: TreePolicy) -> float:
         """Expected accepted draft tokens had `policy` drafted this round."""
@@ -338,16 +338,31 @@ class Replay:
         """`expected(policy)` split by depth: [D] the expected accepted nodes at depths 1 .. D (D = EXPLORE.depth)."""
         by_budget, _, ranked = self._expansion(policy)
         sums = [0.0] * EXPLORE.depth
-        for depth, value in ranked[: min(policy.budget, len(by_budget) - 1)]:
+        for _, depth, value in ranked[: min(policy.budget, len(by_budget) - 1)]:
             sums[depth - 1] += value
         return sums
+
+    def levels(self, policy: TreePolicy) -> list[tuple[float, float]]:
+        """[D] for each depth k, had `policy` drafted this round: (the chance the accepted path reaches a node at depth
+        k - 1 that has a verified child, the chance it reaches depth k). Their ratio is the acceptance at depth k of
+        the policy's own tree, what `LevelCorrection` sets its rounds beside."""
+        by_budget, _, ranked = self._expansion(policy)
+        selected = ranked[: min(policy.budget, len(by_budget) - 1)]
+        parents = {self.tree.parents[node] for node, _, _ in selected}
+        reached = [1.0 if 0 in parents else 0.0] + [0.0] * (EXPLORE.depth - 1)
+        accepted = [0.0] * EXPLORE.depth
+        for node, depth, value in selected:
+            accepted[depth - 1] += value
+            if node in parents and depth < EXPLORE.depth:
+                reached[depth] += value
+        return list(zip(reached, accepted))
 
     def drafted(self, policy: TreePolicy) -> tuple[int, int]:
         """The levels `policy` would have drafted this round and the rows it would have verified (root included)."""
         by_budget, levels, _ = self._expansion(policy)
         return levels, min(policy.budget, len(by_budget) - 1) + 1
 
-    def _expansion(self, policy: TreePolicy) -> tuple[list[float], int, list[tuple[int, float]]]:
+    def _expansion(self, policy: TreePolicy) -> tuple[list[float], int, list[tuple[int, int, float]]]:
         key = (policy.width, policy.depth, policy.stop)
         if key not in self._expansions:
             self._expansions[key] = self._replay(*key)
@@ -359,10 +374,10 @@ class Replay:
             return probability
         return self.rates[Calibration.bin(self.tree.confidences[node])] if self.rates else 0.0
 
-    def _replay(self, width: int, depth: int, stop: float) -> tuple[list[float], int, list[tuple[int, float]]]:
+    def _replay(self, width: int, depth: int, stop: float) -> tuple[list[float], int, list[tuple[int, int, float]]]:
         """[b] expected accepted tokens of the best b nodes the (width, depth, stop) expansion records, b = 0 .. all;
-        the levels it drafts (fewer than `depth` where it stops); and the recorded nodes' (depth, chance to be on the
-        accepted path), best first."""
+        the levels it drafts (fewer than `depth` where it stops); and the recorded nodes' (node, depth, chance to be
+        on the accepted path), best first."""
         tree = self.tree
         frontier, recorded, levels = [0], [], 0
         for _ in range(depth):
@@ -378,7 +393,7 @@ class Replay:
         for node in tree.ranked(recorded):  # every prefix of the global order is ancestor-closed
             on_path[node] = on_path[tree.parents[node]] * self._acceptance(node)
             by_budget.append(by_budget[-1] + on_path[node])
-            ranked.append((tree.depths[node], on_path[node]))
+            ranked.append((node, tree.depths[node], on_path[node]))
         return by_budget, levels, ranked
 
 
@@ -392,6 +407,7 @@ class Explored:
         self.replays: deque[Replay] = deque()
         # policy -> sum and sum of squares of its tokens, and the sum of its accepted nodes at each depth
         self._sums: dict[TreePolicy, tuple[float, float, list[float]]] = {}
+        self._levels: dict[TreePolicy, list[tuple[float, float]]] = {}  # policy -> its mean `Replay.levels`
 
     def __len__(self) -> int:
         return len(self.replays)
@@ -402,6 +418,7 @@ class Explored:
             self._add(self.replays.popleft(), -1.0)
         self.replays.append(replay)
         self._add(replay, 1.0)
+        self._levels.clear()
 
     def _add(self, replay: Replay, sign: float) -> None:
         for policy, (total, squares, depths) in self._sums.items():
@@ -425,19 +442,13 @@ class Explored:
             mean = 1.0 + sum(f * d for f, d in zip(factors, depths)) / n
         return mean, spread / n
 
-    def chain_levels(self, policy: TreePolicy) -> list[tuple[float, float]]:
-        """For a chain (width 1), at each level it drafts and verifies on these rounds, on average: (the chance the
-        round reaches that level's node, the chance that node is accepted), [D] pairs, (0, 0) past its depth."""
-        levels = [(0.0, 0.0)] * EXPLORE.depth
-        n = len(self.replays)
-        for replay in self.replays:
-            drafted, rows = replay.drafted(policy)
-            reach = 1.0
-            for k, accepted in enumerate(replay.by_depth(policy)[: min(drafted, rows - 1)]):
-                t, a = levels[k]
-                levels[k] = (t + reach / n, a + accepted / n)
-                reach = accepted
-        return levels
+    def levels(self, policy: TreePolicy) -> list[tuple[float, float]]:
+        """`Replay.levels` of `policy` averaged over these rounds (kept until the rounds change)."""
+        if policy not in self._levels:
+            n = len(self.replays)
+            columns = zip(*(replay.levels(policy) for replay in self.replays))
+            self._levels[policy] = [(sum(r for r, _ in c) / n, sum(a for _, a in c) / n) for c in columns]
+        return self._levels[policy]
 
     def shape(self, policy: TreePolicy, concurrent: int = 1) -> Shape:
         """What a round of `policy` drafts and verifies on these rounds: the levels of the deepest of `concurrent`
@@ -453,17 +464,16 @@ class Explored:
 
 class LevelCorrection:
     """How much more or less often the target accepts a node at each depth in the rounds being run than in the rounds
-    explored, measured like for like on chosen chain rounds.
+    explored, measured like for like on chosen rounds.
 
     The explored rounds are few, and the first ones are one prompt's opening, so their acceptance can be far from
     that of the text being decoded, the more so the deeper a policy drafts (each level's error multiplies). A chosen
-    chain round is a direct sample: at each level it drafted and verified, whether the round reached that level's node
-    and whether the target accepted it. Set beside what the explored rounds predict for the same policy at the same
-    levels (`Explored.chain_levels`), the recent chosen chain rounds give at each depth k the ratio C_k of the
-    conditional acceptance seen to that predicted, and every policy's accepted nodes at depth k then count
-    C_1 x ... x C_k each (`Explored.tokens`). A fixed chain stops at its depth whatever it accepts, and a chain with a
-    floor stops where the drafter is unsure, as its prediction on the explored rounds does: either way both sides
-    count the same levels.
+    round is a direct sample: at each depth k, whether its accepted path reached a node at depth k - 1 with a verified
+    child, and whether it went on to depth k. Set beside what the explored rounds predict of the same policy
+    (`Explored.levels`), the recent chosen rounds give at each depth k the ratio C_k of the acceptance seen to that
+    predicted, and every policy's accepted nodes at depth k then count C_1 x ... x C_k each (`Explored.tokens`). Both
+    sides count the policy's own tree: a fixed depth that ends a path whatever it accepts, a floor that stops where
+    the drafter is unsure, a budget that leaves a node's children unverified.
     """
 
     def __init__(self, size: int = 256):
@@ -471,7 +481,7 @@ class LevelCorrection:
         self.added = 0
 
     def add(self, seen: list[tuple[float, float]], predicted: list[tuple[float, float]]) -> None:
-        """One chosen chain round: per level, [D] (reached, accepted) as it ran and as the explored rounds predict."""
+        """One chosen round: per depth, [D] (reached, accepted) as it ran and as the explored rounds predict."""
         self.rounds.append((seen, predicted))
         self.added += 1
 
@@ -605,15 +615,16 @@ class TreeTuner:
                 self.realised.clear()
 
     def _correct_levels(self, record: RoundRecord) -> None:
-        """Set a chosen chain round beside what the explored chain rounds predict of its policy, level by level."""
+        """Set a chosen round beside what the explored rounds it is scored on predict of its policy, depth by depth."""
         policy = record.policy
-        if policy is None or policy.width != 1 or not self.explored_chains:
+        if policy is None or not self._any_explored():
             return
-        levels, rows = realised_shape(record)
-        verified = int(min(levels, rows - 1))
-        accepted = record.decision.num_accepted
-        seen = [(float(accepted >= k), float(accepted > k)) for k in range(verified)]
-        self.corrections.add(seen + [(0.0, 0.0)] * (EXPLORE.depth - verified), self.explored_chains.chain_levels(policy))
+        path = record.decision.accepted_rows  # the accepted rows, root first
+        with_children = set(record.tree.parents.tolist()[1:])
+        seen = [
+            (float(len(path) > k and path[k] in with_children), float(len(path) > k + 1)) for k in range(EXPLORE.depth)
+        ]
+        self.corrections.add(seen, self.rounds_for(policy).levels(policy))
 
     def _measure_rest(self, record: RoundRecord, concurrent: int) -> None:
         """Learn what a chosen round of `concurrent` requests stepping together takes beyond its prediction: their

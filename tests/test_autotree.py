@@ -148,7 +148,7 @@ def test_chosen_chain_rounds_correct_every_depth_like_for_like():
     for _ in range(4):
         tuner.explored_chains.append(chain_replay([0.9] * EXPLORE.depth))
     deep = TreePolicy(1, 4, 4)
-    assert tuner.explored_chains.chain_levels(deep)[:5] == [(1.0, 1.0)] * 4 + [(0.0, 0.0)]
+    assert tuner.explored_chains.levels(deep)[:5] == [(1.0, 1.0)] * 4 + [(0.0, 0.0)]
     assert tuner.score(deep)[0] == 5.0
     tuner.choices[1] = replace(tuner.choice(1), policy=deep)  # as if chosen on those predictions
     for _ in range(RECORRECT_ROUNDS - 1):
@@ -162,6 +162,22 @@ def test_chosen_chain_rounds_correct_every_depth_like_for_like():
     assert tuner.choice(1).policy.depth < deep.depth
 
 
+def test_a_wide_trees_rounds_are_set_beside_its_own_levels():
+    """A 2/2/3 tree verifies the root's two children and one grandchild: its rounds can reach depth 2 only through the
+    child that has a verified child, which is what both sides count."""
+    tree = DraftTree(0)
+    a, b = tree.add_children([0], [(0, 1, 0.6), (0, 2, 0.3)])
+    tree.add_children([a, b], [(a, 3, 0.9), (a, 4, 0.05), (b, 5, 0.9)])
+    replay = Replay(tree, {a: 1.0, b: 0.0, 3: 0.5, 4: 0.0, 5: 1.0})
+    policy = TreePolicy(2, 2, 3)  # verifies a (0.6), then a's child (0.54), then b (0.3)
+    assert replay.levels(policy)[:3] == [(1.0, 1.0), (1.0, 0.5), (0.0, 0.0)]
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0, explore_every=0)
+    tuner.explored_narrow.append(replay)
+    record = chain_round(TreePolicy(1, 2, 2), accepted=1)
+    tuner._correct_levels(replace(record, policy=policy))
+    assert tuner.corrections.rounds[-1] == ([(1.0, 1.0), (1.0, 0.0)] + [(0.0, 0.0)] * (EXPLORE.depth - 2), replay.levels(policy))
+
+
 def test_level_corrections_compare_a_floor_with_its_own_prediction():
     """A chain with a floor drafts only while it is sure, on the explored rounds as in the rounds it runs: its levels
     are set beside the same policy's, so a floor that stops early is not read as a drop in acceptance."""
@@ -169,7 +185,7 @@ def test_level_corrections_compare_a_floor_with_its_own_prediction():
     explored = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003])).explored_chains
     explored.append(chain_replay([0.9, 0.9, 0.3, 0.9]))  # values 0.9, 0.81, 0.243: a floor of 0.5 drafts 3 levels
     floor = TreePolicy(1, 8, 8, 0.5)
-    predicted = explored.chain_levels(floor)
+    predicted = explored.levels(floor)
     assert predicted[:4] == [(1.0, 1.0)] * 3 + [(0.0, 0.0)]
     correction.add([(1.0, 1.0)] * 3 + [(0.0, 0.0)] * (EXPLORE.depth - 3), predicted)
     assert correction.factors() == [1.0] * EXPLORE.depth
