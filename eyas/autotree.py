@@ -477,23 +477,22 @@ class LevelCorrection:
     """
 
     def __init__(self, size: int = 256):
-        self.rounds: deque[tuple[list[tuple[float, float]], list[tuple[float, float]]]] = deque(maxlen=size)
-        self.added = 0
+        """`size`: the rounds kept at each depth, the latest that could reach it (deep ones are rarer than shallow)."""
+        # per depth: (reached, accepted) as run and as predicted, for the latest rounds either side says may reach it
+        self.depths: list[deque[tuple[float, float, float, float]]] = [deque(maxlen=size) for _ in range(EXPLORE.depth)]
 
     def add(self, seen: list[tuple[float, float]], predicted: list[tuple[float, float]]) -> None:
         """One chosen round: per depth, [D] (reached, accepted) as it ran and as the explored rounds predict."""
-        self.rounds.append((seen, predicted))
-        self.added += 1
+        for kept, (reached, accepted), (predicted_reached, predicted_accepted) in zip(self.depths, seen, predicted):
+            if reached or predicted_reached:
+                kept.append((reached, accepted, predicted_reached, predicted_accepted))
 
     def factors(self) -> list[float]:
         """[D] the weight of an accepted node at depth 1 .. D: the product of the corrections C_1 .. C_k, each pulled
         towards 1 by LEVEL_PRIOR trials at the predicted rate, and capped where the corrected rate would exceed 1."""
         out, product = [], 1.0
-        for k in range(EXPLORE.depth):
-            reached = sum(seen[k][0] for seen, _ in self.rounds)
-            accepted = sum(seen[k][1] for seen, _ in self.rounds)
-            predicted_reached = sum(predicted[k][0] for _, predicted in self.rounds)
-            predicted_accepted = sum(predicted[k][1] for _, predicted in self.rounds)
+        for kept in self.depths:
+            reached, accepted, predicted_reached, predicted_accepted = (sum(column) for column in zip(*kept)) if kept else (0.0,) * 4
             if predicted_accepted > 0.0:
                 rate = predicted_accepted / predicted_reached
                 product *= min(1.0 / rate, (accepted + LEVEL_PRIOR * rate) / (reached + LEVEL_PRIOR) / rate)
@@ -646,8 +645,7 @@ class TreeTuner:
         """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the chain rounds since, `concurrent`
         chooses again on them and on the costs learned meanwhile (keeping its count of rounds since the choice where
         the choice stands), and the other concurrencies when they next step (a choice scores the whole grid)."""
-        if self.corrections.rounds:
-            self.factors = self.corrections.factors()
+        self.factors = self.corrections.factors()
         before = self.choices.get(concurrent)
         self.choices = {} if before is None else {concurrent: before}
         since = self.since_choice

@@ -175,7 +175,7 @@ def test_a_wide_trees_rounds_are_set_beside_its_own_levels():
     tuner.explored_narrow.append(replay)
     record = chain_round(TreePolicy(1, 2, 2), accepted=1)
     tuner._correct_levels(replace(record, policy=policy))
-    assert tuner.corrections.rounds[-1] == ([(1.0, 1.0), (1.0, 0.0)] + [(0.0, 0.0)] * (EXPLORE.depth - 2), replay.levels(policy))
+    assert [list(kept) for kept in tuner.corrections.depths[:3]] == [[(1.0, 1.0, 1.0, 1.0)], [(1.0, 0.0, 1.0, 0.5)], []]
 
 
 def test_level_corrections_compare_a_floor_with_its_own_prediction():
