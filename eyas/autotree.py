@@ -592,11 +592,11 @@ class TreeTuner:
             return
         if self.exploring:
             return  # drafted before an exploration began (requests stepping together have rounds in flight)
-        self._measure_rest(record, concurrent)
+        first_rest = self._measure_rest(record, concurrent)
         self._correct_levels(record)
         self._check(record, concurrent)
         self.chosen_rounds += 1
-        if self.chosen_rounds % RECORRECT_ROUNDS == 0 and not self.exploring:
+        if (first_rest or self.chosen_rounds % RECORRECT_ROUNDS == 0) and not self.exploring:
             self._choose_again(concurrent)
 
     def _check(self, record: RoundRecord, concurrent: int) -> None:
@@ -625,14 +625,15 @@ class TreeTuner:
         ]
         self.corrections.add(seen, self.rounds_for(policy).levels(policy))
 
-    def _measure_rest(self, record: RoundRecord, concurrent: int) -> None:
+    def _measure_rest(self, record: RoundRecord, concurrent: int) -> bool:
         """Learn what a chosen round of `concurrent` requests stepping together takes beyond its prediction: their
         bookkeeping is priced at a lone round's times the requests, which a lone round's noise multiplies and which
         requests together partly share. The median over that concurrency's recent rounds, once LOCKSTEP_ROUNDS are
-        in after that concurrency's lockstep cost, counts in every policy's round there (`Costs.rest_at`)."""
+        in after that concurrency's lockstep cost, counts in every policy's round there (`Costs.rest_at`). Whether
+        this round was the one that first measured it (that concurrency then chooses again at once)."""
         policy = record.policy
         if concurrent not in self.costs.lockstep_per_level or policy is None or not policy.depth or "draft" not in record.seconds:
-            return  # a lone round, or the lockstep's cost at this concurrency, learned from the same rounds, not yet in
+            return False  # a lone round, or the lockstep's cost at this concurrency, learned from the same rounds, not yet in
         observed = sum(record.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         shape = priced_shape(record, policy)
         predicted = self.costs.round_seconds(policy, record.decision.num_accepted + 1, concurrent, shape, rest=False)
@@ -640,6 +641,7 @@ class TreeTuner:
         samples.append(observed - predicted)
         if len(samples) >= LOCKSTEP_ROUNDS:
             self.costs.rest_per_round[concurrent] = statistics.median(samples)
+        return len(samples) == LOCKSTEP_ROUNDS
 
     def _choose_again(self, concurrent: int) -> None:
         """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the chain rounds since, `concurrent`
