@@ -16,7 +16,10 @@ replayed on the chain rounds the same way, which also gives the levels each woul
 time is that of the levels they draft on those rounds, not of their full depth. Expected tokens per round over
 predicted round time picks the policy.
 Realised acceptance is watched; when it drifts from the prediction, or after a while, the tuner
-explores again.
+explores again. Chosen rounds also correct the predictions: at each depth, how often their accepted paths went on
+against how often the explored rounds say the same policy's would (`LevelCorrection`), and beside batch-mates, what
+their rounds took against their predicted time (`Costs.rest_at`); every RECORRECT_ROUNDS chosen rounds the choice is
+made again on them.
 
 A few first rounds are one prompt's opening, a poor sample of the acceptance to come: after them, one round
 in `explore_every` explores again (the three trees in turn), each policy's score is kept over the last rounds
@@ -492,7 +495,8 @@ class LevelCorrection:
         towards 1 by LEVEL_PRIOR trials at the predicted rate, and capped where the corrected rate would exceed 1."""
         out, product = [], 1.0
         for kept in self.depths:
-            reached, accepted, predicted_reached, predicted_accepted = (sum(column) for column in zip(*kept)) if kept else (0.0,) * 4
+            sums = [sum(column) for column in zip(*kept)] if kept else [0.0] * 4
+            reached, accepted, predicted_reached, predicted_accepted = sums
             if predicted_accepted > 0.0:
                 rate = predicted_accepted / predicted_reached
                 product *= min(1.0 / rate, (accepted + LEVEL_PRIOR * rate) / (reached + LEVEL_PRIOR) / rate)
@@ -541,7 +545,7 @@ class TreeTuner:
     exploring: int = 0  # exploring rounds still to hand out
     since_choice: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
-    corrections: LevelCorrection = field(default_factory=LevelCorrection)  # chosen chain rounds against predictions
+    corrections: LevelCorrection = field(default_factory=LevelCorrection)  # chosen rounds against their predictions
     factors: list[float] | None = None  # [D] weight of an accepted node at each depth (LevelCorrection.factors)
     refreshes: int = 0  # exploring rounds run since the first exploration
     explorations: int = 0  # exploring rounds handed out so far: the first exploration, after drifts, refreshes
@@ -632,8 +636,10 @@ class TreeTuner:
         in after that concurrency's lockstep cost, counts in every policy's round there (`Costs.rest_at`). Whether
         this round was the one that first measured it (that concurrency then chooses again at once)."""
         policy = record.policy
-        if concurrent not in self.costs.lockstep_per_level or policy is None or not policy.depth or "draft" not in record.seconds:
-            return False  # a lone round, or the lockstep's cost at this concurrency, learned from the same rounds, not yet in
+        if policy is None or not policy.depth or "draft" not in record.seconds:
+            return False
+        if concurrent not in self.costs.lockstep_per_level:
+            return False  # a lone round, or the lockstep's cost here (learned from the same rounds) not yet measured
         observed = sum(record.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         shape = priced_shape(record, policy)
         predicted = self.costs.round_seconds(policy, record.decision.num_accepted + 1, concurrent, shape, rest=False)
@@ -644,7 +650,7 @@ class TreeTuner:
         return len(samples) == LOCKSTEP_ROUNDS
 
     def _choose_again(self, concurrent: int) -> None:
-        """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the chain rounds since, `concurrent`
+        """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the rounds since, `concurrent`
         chooses again on them and on the costs learned meanwhile (keeping its count of rounds since the choice where
         the choice stands), and the other concurrencies when they next step (a choice scores the whole grid)."""
         self.factors = self.corrections.factors()
