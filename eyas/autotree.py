@@ -161,16 +161,18 @@ class Costs:
 
     def verify_at(self, rows: float) -> float:
         """Seconds of one target forward over `rows` rows, as measured, scaled by what forwards took in rounds."""
-        key = ("verify", rows)
-        if key not in self._at:
-            self._at[key] = _interpolate(self.verify_rows, self.scaled.get("verify", self.verify_seconds), rows)
-        return self._at[key]
+        return self._curve_at("verify", rows)
 
     def draft_at(self, rows: float) -> float:
         """Seconds of one drafter forward over `rows` rows, likewise."""
-        key = ("draft", rows)
+        return self._curve_at("draft", rows)
+
+    def _curve_at(self, kind: str, rows: float) -> float:
+        """`kind`'s scaled curve ("verify" or "draft") at `rows`, computed once per row count between observed forwards."""
+        key = (kind, rows)
         if key not in self._at:
-            self._at[key] = _interpolate(self.draft_rows, self.scaled.get("draft", self.draft_seconds), rows)
+            xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
+            self._at[key] = _interpolate(xs, self.scaled.get(kind, ys), rows)
         return self._at[key]
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
@@ -353,12 +355,10 @@ class Replay:
         selected = ranked[: min(policy.budget, len(by_budget) - 1)]
         parents = {self.tree.parents[node] for node, _, _ in selected}
         reached = [1.0 if 0 in parents else 0.0] + [0.0] * (EXPLORE.depth - 1)
-        accepted = [0.0] * EXPLORE.depth
         for node, depth, value in selected:
-            accepted[depth - 1] += value
             if node in parents and depth < EXPLORE.depth:
                 reached[depth] += value
-        return list(zip(reached, accepted))
+        return list(zip(reached, self.by_depth(policy)))
 
     def drafted(self, policy: TreePolicy) -> tuple[int, int]:
         """The levels `policy` would have drafted this round and the rows it would have verified (root included)."""
