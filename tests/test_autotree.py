@@ -19,6 +19,7 @@ from eyas.autotree import (
     LEVEL_PRIOR,
     LOCKSTEP_ROUNDS,
     MIN_OBSERVED,
+    PREDICTION_ROUNDS,
     RECORRECT_ROUNDS,
     Costs,
     LevelCorrection,
@@ -162,6 +163,46 @@ def test_chosen_chain_rounds_correct_every_depth_like_for_like():
     assert tuner.choice(1).policy.depth < deep.depth
 
 
+def test_a_chosen_round_scores_exactly_the_policies_its_tree_holds():
+    """A chosen 2/2/4 round: the root's children a (0.6) and b (0.3), each expanded with two children, the best four
+    nodes verified. The target accepted a and a's first child. The round holds the chains 1/1/1 and 1/2/2 (2 and 3
+    tokens), 2/1/2 (2), 2/2/2 (3) and itself (3); not the chain 1/3/3, whose third node was never drafted where the accepted
+    path reached it, nor where the target refused a: what a round holds never depends on what the target accepted.
+    Each held policy's score is then the mean of its replayed rounds with its prediction counted PREDICTION_ROUNDS
+    times."""
+    tree = DraftTree(0)
+    a, b = tree.add_children([0], [(0, 1, 0.6), (0, 2, 0.3)])
+    a1, a2, b1, b2 = tree.add_children([a, b], [(a, 3, 0.9), (a, 4, 0.05), (b, 5, 0.5), (b, 6, 0.1)])
+    verified = [a, a1, b, b1]  # the best four: 0.6, 0.54, 0.3, 0.15; a2 and b2 (0.03) left out
+    chosen = TreePolicy(2, 2, 4)
+    held = {TreePolicy(1, 1, 1): 2.0, TreePolicy(1, 2, 2): 3.0, TreePolicy(2, 1, 2): 2.0, TreePolicy(2, 2, 2): 3.0, chosen: 3.0}
+    replay = Replay(tree, dict(zip(verified, [1.0, 1.0, 0.0, 0.0])))
+    assert all(replay.exact(p) and 1.0 + replay.expected(p) == tokens for p, tokens in held.items())
+    assert not replay.exact(TreePolicy(1, 3, 3)) and not replay.exact(TreePolicy(2, 2, 6))
+    refused = Replay(tree, dict(zip(verified, [0.0, 1.0, 1.0, 0.0])))
+    assert not refused.exact(TreePolicy(1, 3, 3)) and all(refused.exact(p) for p in held)
+
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0, explore_every=0)
+    for _ in range(4):
+        tuner.explored_chains.append(chain_replay([0.9] * EXPLORE.depth))
+        tuner.explored_narrow.append(chain_replay([0.9] * EXPLORE.depth))
+    predicted = {p: tuner.rounds_for(p).tokens(p)[0] for p in held}
+    decision = AcceptanceDecision((0, 1, 2), (1, 3), 99, 1.0)
+    record = RoundRecord(
+        0, flatten(tree, verified, 8), decision, [], 2, len(tree), 0, 0, frozenset(),
+        {"draft": 0.005, "tree": 0.0, "verify": 0.005, "publish": 0.0}, draft_tree=tree, row_nodes=[0, *verified],
+        row_probs=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]), policy=chosen,
+    )
+    tuner.observe(record, 1)
+    tuner.observe(record, 1)
+    assert {p: [t for t, _, _ in kept] for p, kept in tuner.replayed.items()} == {p: [tokens] * 2 for p, tokens in held.items()}
+    assert tuner.replayed[TreePolicy(1, 2, 2)][0][1:] == (2, 3)  # two levels drafted, root and two nodes verified
+    for policy, tokens in held.items():
+        expected = (2 * tokens + PREDICTION_ROUNDS * predicted[policy]) / (2 + PREDICTION_ROUNDS)
+        assert tuner.score(policy)[0] == pytest.approx(expected)
+    assert tuner.score(TreePolicy(1, 3, 3))[0] == tuner.rounds_for(TreePolicy(1, 3, 3)).tokens(TreePolicy(1, 3, 3))[0]
+
+
 def test_a_wide_trees_rounds_are_set_beside_its_own_levels():
     """A 2/2/3 tree verifies the root's two children and one grandchild: its rounds can reach depth 2 only through the
     child that has a verified child, which is what both sides count."""
@@ -254,21 +295,25 @@ def test_exploration_takes_three_trees_and_scores_chains_and_width_two_exactly(e
     assert [r.policy for r in rounds[:6]] == [EXPLORE, EXPLORE_NARROW, EXPLORE_CHAIN] * 2
     assert len(tuner.explored) == len(tuner.explored_narrow) == len(tuner.explored_chains) == 2
     chains = [r for r in rounds[:6] if r.policy == EXPLORE_CHAIN]
+
+    def predicted(policy: TreePolicy) -> float:  # on the explored rounds alone (chosen rounds weigh in after them)
+        return tuner.rounds_for(policy).tokens(policy)[0]
+
     for depth in (1, 3, EXPLORE.depth):
         chain = TreePolicy(1, depth, depth)
         expected = sum(min(r.decision.num_accepted, depth) for r in chains) / len(chains)
-        assert tuner.score(chain)[0] == 1.0 + expected
+        assert predicted(chain) == 1.0 + expected
     narrow = [r for r in rounds[:6] if r.policy == EXPLORE_NARROW]
     assert all(len(r.row_nodes) == len(r.draft_tree) for r in narrow)  # every recorded node verified
-    assert tuner.score(EXPLORE_NARROW)[0] == 1.0 + sum(r.decision.num_accepted for r in narrow) / len(narrow)
+    assert predicted(EXPLORE_NARROW) == 1.0 + sum(r.decision.num_accepted for r in narrow) / len(narrow)
     for policy in (TreePolicy(2, 3, 6), TreePolicy(2, 5, 12)):
         exact = [expected_accepted(r.draft_tree, dict(zip(r.row_nodes, r.row_probs.tolist())), policy) for r in narrow]
-        assert tuner.score(policy)[0] == pytest.approx(1.0 + sum(exact) / len(exact))
+        assert predicted(policy) == pytest.approx(1.0 + sum(exact) / len(exact))
 
 
 def test_after_the_first_rounds_one_in_explore_every_explores_again_per_request(engine):
     """Exploring goes on between chosen rounds (the three trees in turn), each time choosing again; requests stepping
-    together explore that often per request."""
+    together explore n times less often per round of theirs: an exploring round holds up every batch-mate."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=4)
     rounds = []
     gen = generate_auto(engine, tuner, max_new_tokens=40, on_round=rounds.append)
@@ -284,7 +329,10 @@ def test_after_the_first_rounds_one_in_explore_every_explores_again_per_request(
     assert len(tuner.history) >= 1 + sum(i + 1 < len(rounds) for i in refreshed)  # the round after one chooses again
     together = TreeTuner(tuner.costs, explore_rounds=0, explore_every=4)
     together.explored, together.explored_narrow, together.explored_chains = tuner.explored, tuner.explored_narrow, tuner.explored_chains
-    for _ in range(16):
+    for _ in range(2 * 4 * 2):  # 8 rounds of 2 requests: one refresh, not one every 4 rounds
+        together.policy(2)
+    assert together.refreshes == together.explorations == 1
+    for _ in range(2 * 4 * 2):
         together.policy(2)
     assert together.refreshes == together.explorations == 2
 
@@ -375,7 +423,7 @@ def test_beside_batch_mates_drift_explores_one_round_not_a_whole_exploration(eng
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=1000)
     rounds = []
     generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
-    chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
+    chosen = replace(next(r for r in rounds if r.policy not in EXPLORATIONS), draft_tree=None)  # scores no other policy
     tuner.revisit_every = 1  # every full window of realised rounds now explores again
     for concurrent in (8, 1):
         refreshes = tuner.refreshes
