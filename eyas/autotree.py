@@ -496,10 +496,6 @@ class Explored:
             self._levels[policy] = [(sum(r for r, _ in c) / n, sum(a for _, a in c) / n) for c in columns]
         return self._levels[policy]
 
-    def shape(self, policy: TreePolicy, concurrent: int = 1) -> Shape:
-        """What a round of `policy` drafts and verifies on these rounds (`lockstep_shape`, every round alike)."""
-        return lockstep_shape([(*replay.drafted(policy), 1.0) for replay in self.replays], concurrent)
-
 
 def lockstep_shape(draws: list[tuple[int, int, float]], concurrent: int) -> Shape:
     """From weighted draws (levels drafted, rows verified, weight) of one request's rounds: the levels of the deepest

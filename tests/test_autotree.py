@@ -116,8 +116,8 @@ def test_a_chain_with_a_floor_is_priced_at_the_levels_it_drafts():
     tuner.explored_chains.append(chain_replay([0.9, 0.9, 0.5, 0.9]))  # values 0.9, 0.81, 0.405: stops after 3
     tuner.explored_chains.append(chain_replay([0.4, 0.9]))  # value 0.4: stops after 1
     policy = TreePolicy(1, 8, 8, 0.5)
-    assert tuner.explored_chains.shape(policy, 1) == (2.0, 3.0)
-    assert tuner.explored_chains.shape(policy, 2) == (2.5, 3.0)
+    assert tuner.shape(policy, 1) == (2.0, 3.0)
+    assert tuner.shape(policy, 2) == (2.5, 3.0)
     tokens, rate = tuner.score(policy)
     assert tokens == 3.0 and rate == pytest.approx(3.0 / tuner.costs.round_seconds(policy, 3.0, 1, (2.0, 3.0)))
     assert tuner.costs.round_seconds(policy, 3.0, 1, (2.0, 3.0)) < tuner.costs.round_seconds(policy, 3.0)
