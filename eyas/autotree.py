@@ -96,8 +96,9 @@ def grid() -> tuple[TreePolicy, ...]:
 @functools.cache
 def under(policy: TreePolicy) -> tuple[TreePolicy, ...]:
     """Grid policies a round of `policy` may score exactly: no wider, deeper or larger, and stopping no later
-    (`Replay.exact` says which of them a round does). A chain deeper than where a floor stopped the round is left
-    out: the floor stops where the drafter is unsure, so the rounds that reached its depth would be the easier ones."""
+    (`Replay.exact` says which of them a round does). Under a floor, only policies with a floor as high or higher:
+    the floor stops where the drafter is unsure, so the rounds that went as deep as a policy without it would go are
+    the easier ones."""
     return tuple(
         q for q in grid()
         if q.width <= policy.width and q.depth <= policy.depth and q.budget <= policy.budget and q.stop >= policy.stop
