@@ -124,6 +124,22 @@ def test_a_chain_with_a_floor_is_priced_at_the_levels_it_drafts():
     assert tuner.score(policy, 2)[1] == pytest.approx(3.0 / tuner.costs.round_seconds(policy, 3.0, 2, (2.5, 3.0)))
 
 
+def test_chosen_rounds_that_held_a_floor_move_its_price():
+    """The same two explored rounds count as PREDICTION_ROUNDS rounds in all beside the chosen rounds that held the
+    floor: eight rounds that drafted 4 levels and verified 5 rows pull the levels a lone round drafts from 2 to 3 and
+    the deeper of two requests' from 2.5 to 3.625, and the tokens from 3 to 3.5."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0)
+    tuner.explored_chains.append(chain_replay([0.9, 0.9, 0.5, 0.9]))  # 3 levels, 4 rows
+    tuner.explored_chains.append(chain_replay([0.4, 0.9]))  # 1 level, 2 rows
+    policy = TreePolicy(1, 8, 8, 0.5)
+    tuner.replayed[policy] = deque([(4.0, 4, 5)] * 8)
+    # weights 4, 4 and 8 x 1: levels (3 * 4 + 1 * 4 + 4 * 8) / 16, rows (4 * 4 + 2 * 4 + 5 * 8) / 16
+    assert tuner.shape(policy, 1) == (3.0, 4.0)
+    # P(one draw < k) for k = 1 .. 4: 0, 1/4, 1/4, 1/2, so E[max of two] = 1 + 15/16 + 15/16 + 3/4
+    assert tuner.shape(policy, 2) == (3.625, 4.0)
+    assert tuner.score(policy)[0] == (8 * 4.0 + PREDICTION_ROUNDS * 3.0) / (8 + PREDICTION_ROUNDS)
+
+
 def chain_round(policy: TreePolicy, accepted: int, draft: float = 0.005, verify: float = 0.005) -> RoundRecord:
     """A finished round of the chain `policy` (no floor) whose first `accepted` nodes the target accepted, its drafting
     and verification taking `draft` and `verify` seconds."""
