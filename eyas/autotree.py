@@ -353,13 +353,13 @@ class Replay:
     def expected(self, policy: TreePolicy) -> float:
         """Expected accepted draft tokens had `policy` drafted this round."""
         by_budget, _, _, _ = self._expansion(policy)
-        return by_budget[min(policy.budget, len(by_budget) - 1)]
+        return by_budget[self._verified(policy)]
 
     def by_depth(self, policy: TreePolicy) -> list[float]:
         """`expected(policy)` split by depth: [D] the expected accepted nodes at depths 1 .. D (D = EXPLORE.depth)."""
-        by_budget, _, ranked, _ = self._expansion(policy)
+        _, _, ranked, _ = self._expansion(policy)
         sums = [0.0] * EXPLORE.depth
-        for _, depth, value in ranked[: min(policy.budget, len(by_budget) - 1)]:
+        for _, depth, value in ranked[: self._verified(policy)]:
             sums[depth - 1] += value
         return sums
 
@@ -367,8 +367,8 @@ class Replay:
         """[D] for each depth k, had `policy` drafted this round: (the chance the accepted path reaches a node at depth
         k - 1 that has a verified child, the chance it reaches depth k). Their ratio is the acceptance at depth k of
         the policy's own tree, what `LevelCorrection` sets its rounds beside."""
-        by_budget, _, ranked, _ = self._expansion(policy)
-        selected = ranked[: min(policy.budget, len(by_budget) - 1)]
+        _, _, ranked, _ = self._expansion(policy)
+        selected = ranked[: self._verified(policy)]
         parents = {self.tree.parents[node] for node, _, _ in selected}
         reached = [1.0 if 0 in parents else 0.0] + [0.0] * (EXPLORE.depth - 1)
         for node, depth, value in selected:
@@ -378,8 +378,8 @@ class Replay:
 
     def drafted(self, policy: TreePolicy) -> tuple[int, int]:
         """The levels `policy` would have drafted this round and the rows it would have verified (root included)."""
-        by_budget, levels, _, _ = self._expansion(policy)
-        return levels, min(policy.budget, len(by_budget) - 1) + 1
+        _, levels, _, _ = self._expansion(policy)
+        return levels, self._verified(policy) + 1
 
     def exact(self, policy: TreePolicy) -> bool:
         """Whether this round scores `policy` exactly, with no calibrated rate: every node its expansion would have
@@ -387,8 +387,13 @@ class Replay:
         own holds (a narrower, shallower, smaller one, or the same). Whether it does depends on the drafter's
         confidences alone, never on what the target accepted: keeping only the rounds whose accepted path did not
         reach a missing node would keep the rounds that went badly."""
-        by_budget, _, _, exact = self._expansion(policy)
-        return min(policy.budget, len(by_budget) - 1) <= exact
+        _, _, _, exact = self._expansion(policy)
+        return self._verified(policy) <= exact
+
+    def _verified(self, policy: TreePolicy) -> int:
+        """The nodes `policy` would have verified this round: its budget, or every node its expansion recorded."""
+        by_budget, _, _, _ = self._expansion(policy)
+        return min(policy.budget, len(by_budget) - 1)
 
     def _expansion(self, policy: TreePolicy) -> tuple[list[float], int, list[tuple[int, int, float]], int]:
         key = (policy.width, policy.depth, policy.stop)
