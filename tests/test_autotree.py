@@ -274,6 +274,27 @@ def test_rounds_of_requests_together_are_priced_at_what_they_took():
     assert tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0)) == model  # never less than the forwards
 
 
+def test_a_choice_prices_the_whole_grid_as_score_prices_each_policy():
+    """`choose` prices every grid policy at once; what it picks, and the rate it records, are those of the policy
+    `score` rates highest one at a time (the first in the grid on a tie), with floors, replayed rounds, the lockstep
+    and the rest at a concurrency all counted."""
+    tuner = TreeTuner(Costs([1, 8, 16, 65], [0.010, 0.011, 0.030, 0.080], [1, 16], [0.001, 0.004]), explore_rounds=0)
+    for confidences in ([0.9] * 8, [0.9, 0.5, 0.9, 0.2], [0.3, 0.9], [0.9, 0.9, 0.9]):
+        tuner.explored_chains.append(chain_replay(confidences))
+    tuner.costs.overhead_per_depth, tuner.costs.overhead_per_round, tuner.costs.overhead_per_row = 0.0005, 0.003, 0.0001
+    tuner.costs.lockstep_per_level[8], tuner.costs.rest_per_round[8] = 0.002, -0.010
+    tuner.replayed[TreePolicy(1, 8, 8, 0.2)] = deque([(4.0, 4, 5)] * 8)
+    tuner.replayed[TreePolicy(1, 2, 2)] = deque([(2.0, 2, 3)] * 4)
+    chosen = {}
+    for concurrent in (1, 3, 8):
+        best = max(grid(), key=lambda p: tuner.score(p, concurrent)[1])
+        chosen[concurrent] = tuner.choose(concurrent)
+        assert chosen[concurrent] == best
+        assert tuner.history[-1]["tokens_per_s"] == pytest.approx(tuner.score(best, concurrent)[1], rel=1e-12)
+        assert tuner.history[-1]["tokens_per_round"] == pytest.approx(tuner.score(best, concurrent)[0], rel=1e-12)
+    assert chosen[8].budget < chosen[1].budget  # the prices differ by concurrency, and the choice with them
+
+
 def test_grid_covers_chains_and_trees_within_the_exploration_tree():
     policies = grid()
     assert TreePolicy(1, 5, 5) in policies and TreePolicy(8, 5, 32) in policies and TreePolicy(4, 4, 16) in policies
