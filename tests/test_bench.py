@@ -4,6 +4,8 @@ import argparse
 import json
 import os
 
+import pytest
+
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.tiny import make_drafter, make_target
@@ -63,9 +65,14 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     scaling = context_scaling(engine, hf, [list(range(5, 15))], [list(range(5, 85))], max_new_tokens=6, repeats=2)
     assert scaling["short"]["context"] == 10 and scaling["long"]["context"] == 80
     assert scaling["goal_met"] == (scaling["round_ratio"] <= scaling["plain_step_ratio"])
-    batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6, trees=("1,2,2",))
+    batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6, trees=("1,2,2",), pairs=3)
     assert batch["identical_outputs"] and batch["requests"] == 3 and batch["batch_tokens_per_s"] > 0
     assert batch["batch_tree_1/2/2"]["identical_outputs"] and batch["batch_tree_1/2/2"]["batch_tokens_per_s"] > 0
+    assert len(batch["pairs"]) == 3 and all(run["identical_outputs"] for run in batch["pairs"])
+    ratios = sorted(run["batch_tokens_per_s"] / run["one_at_a_time_tokens_per_s"] for run in batch["pairs"])
+    assert batch["batch_over_one_at_a_time"] == pytest.approx(ratios[1])  # each pair's own ratio, then their median
+    first = batch["pairs"][0]
+    assert batch["first_pair_batch_over_one_at_a_time"] == first["batch_tokens_per_s"] / first["one_at_a_time_tokens_per_s"]
     auto = Engine.from_pretrained(target, drafter, tree="auto")
     counted = batching(auto, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6)["tree_auto"]
     assert counted["exploring_rounds_one_at_a_time"] > 0  # a fresh tuner's first exploration

@@ -157,6 +157,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     runtime.add_argument("--context-prompts", type=int, default=3, help="prompts per context length")
     runtime.add_argument("--batch", type=int, default=8, help="requests in the generate_batch measurement")
     runtime.add_argument("--batch-trees", nargs="*", default=["1,2,2", "1,4,4"], help="fixed trees (width,depth,budget) the batch also runs with, against the same one-at-a-time baseline")
+    runtime.add_argument("--batch-pairs", type=int, default=3, help="interleaved pairs of one-at-a-time and batch runs (the record gives each and their medians)")
     runtime.add_argument("--max-new-tokens", type=int, default=64)
     runtime.add_argument("--repeats", type=int, default=20, help="timed calls per forward measurement")
     runtime.add_argument("--draft-ahead", type=int, default=2, help="trees drafted ahead in the hit-rate measurement (0: skip it)")

@@ -5,7 +5,7 @@ Three measurements, each against a peer timed in the same run on the same model 
   layers, the LM head and the acceptance decision, against one plain HF step (KV cache, one token);
 - time per round at a short and a long context against the HF step at the same two contexts
   (a commit moves only the accepted rows, so a round should grow no faster than a plain step);
-- `Engine.generate_batch` of several requests against the same requests one at a time;
+- `Engine.generate_batch` of several requests against the same requests one at a time, in a few interleaved pairs;
 and whether greedy outputs equal Hugging Face's own greedy decoding, token for token. With CUDA graphs, each timed
 workload first runs once untimed, so that capturing its shapes' graphs (once per shape) is not timed.
 Prompts are held-out standard-library text (never trained on by the demo models). With `tree: auto`
@@ -182,50 +182,65 @@ def context_scaling(
     return result
 
 
-def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, trees: tuple[str, ...] = ()) -> dict:
+def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, trees: tuple[str, ...] = (), pairs: int = 1) -> dict:
     """Aggregate tokens/s of `generate_batch` over the prompts against the same prompts one at a time (both with the
-    engine's tree); then the batch again with each fixed tree of `trees` ("width,depth,budget"). Under tree auto, also
-    how many exploring rounds the requests ran one at a time and in the batch (in a batch, an exploring round costs
-    every batch-mate time), and the tree last chosen for the batch's concurrency."""
+    engine's tree), then the batch again with each fixed tree of `trees` ("width,depth,budget"): `pairs` times in
+    turn, since this machine's speed moves between runs. Each ratio is within its own pair; the record's figures are
+    the medians over the pairs, and each pair is listed (the first is the only one where tree auto meets the batch's
+    concurrency cold). Under tree auto, also how many exploring rounds the requests ran one at a time and in the
+    batches (in a batch, an exploring round costs every batch-mate time), and the tree last chosen for the batch's
+    concurrency in each pair."""
     tuner = engine.tuner if engine.tree == "auto" else None
 
     def explorations() -> int:
         return tuner.explorations if tuner is not None else 0
 
-    explored = explorations()
-    start = time.perf_counter()
-    alone = [engine.generate(p, max_new_tokens=max_new_tokens, stop_at_eos=False) for p in prompts]
-    alone_rate = sum(len(g.token_ids) for g in alone) / (time.perf_counter() - start)
-    explored_alone = explorations() - explored
-
-    def batch(tree: dict | None) -> tuple[float, bool, int]:
+    def batch(tree: dict | None, alone: list) -> tuple[float, bool]:
         if engine.target.graphs is not None:  # untimed: captures the batch's graph shapes
             engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
-        explored = explorations()
         start = time.perf_counter()
         together = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, stop_at_eos=False, tree=tree)
         rate = sum(len(g.token_ids) for g in together) / (time.perf_counter() - start)
-        return rate, [g.token_ids for g in alone] == [g.token_ids for g in together], explorations() - explored
+        return rate, [g.token_ids for g in alone] == [g.token_ids for g in together]
 
-    rate, identical, explored_batch = batch(None)
+    runs, explored_alone, explored_batch = [], 0, 0
+    for _ in range(pairs):
+        explored = explorations()
+        start = time.perf_counter()
+        alone = [engine.generate(p, max_new_tokens=max_new_tokens, stop_at_eos=False) for p in prompts]
+        run = {"one_at_a_time_tokens_per_s": sum(len(g.token_ids) for g in alone) / (time.perf_counter() - start)}
+        explored_alone += explorations() - explored
+        explored = explorations()
+        run["batch_tokens_per_s"], run["identical_outputs"] = batch(None, alone)
+        explored_batch += explorations() - explored
+        if tuner is not None:
+            chosen = [h["policy"] for h in tuner.history if h["concurrent"] == len(prompts)]
+            run["batch_tree"] = vars(chosen[-1]) if chosen else None
+        for tree in trees:
+            rate, identical = batch(dict(zip(("width", "depth", "budget"), map(int, tree.split(",")))), alone)
+            run[f"batch_tree_{tree.replace(',', '/')}"] = {"batch_tokens_per_s": rate, "identical_outputs": identical}
+        runs.append(run)
+
+    def median_ratio(rates: Callable[[dict], float]) -> float:
+        return statistics.median(rates(run) / run["one_at_a_time_tokens_per_s"] for run in runs)
+
     record = {
         "requests": len(prompts),
-        "one_at_a_time_tokens_per_s": alone_rate,
-        "batch_tokens_per_s": rate,
-        "batch_over_one_at_a_time": rate / alone_rate,
-        "identical_outputs": identical,
+        "pairs": runs,
+        "one_at_a_time_tokens_per_s": statistics.median(run["one_at_a_time_tokens_per_s"] for run in runs),
+        "batch_tokens_per_s": statistics.median(run["batch_tokens_per_s"] for run in runs),
+        "batch_over_one_at_a_time": median_ratio(lambda run: run["batch_tokens_per_s"]),
+        "first_pair_batch_over_one_at_a_time": runs[0]["batch_tokens_per_s"] / runs[0]["one_at_a_time_tokens_per_s"],
+        "identical_outputs": all(run["identical_outputs"] for run in runs),
     }
     if tuner is not None:
-        chosen = [h["policy"] for h in tuner.history if h["concurrent"] == len(prompts)]
-        record["tree_auto"] = {
-            "exploring_rounds_one_at_a_time": explored_alone,
-            "exploring_rounds_batch": explored_batch,
-            "batch_tree": vars(chosen[-1]) if chosen else None,
-        }
+        record["tree_auto"] = {"exploring_rounds_one_at_a_time": explored_alone, "exploring_rounds_batch": explored_batch}
     for tree in trees:
-        rate, identical, _ = batch(dict(zip(("width", "depth", "budget"), map(int, tree.split(",")))))
-        record[f"batch_tree_{tree.replace(',', '/')}"] = {
-            "batch_tokens_per_s": rate, "batch_over_one_at_a_time": rate / alone_rate, "identical_outputs": identical
+        key = f"batch_tree_{tree.replace(',', '/')}"
+        record[key] = {
+            "batch_tokens_per_s": statistics.median(run[key]["batch_tokens_per_s"] for run in runs),
+            "batch_over_one_at_a_time": median_ratio(lambda run: run[key]["batch_tokens_per_s"]),
+            "identical_outputs": all(run[key]["identical_outputs"] for run in runs),
         }
     return record
 
@@ -283,7 +298,7 @@ def run(args) -> dict:
             args.max_new_tokens,
             args.repeats,
         ),
-        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees)),
+        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees), args.batch_pairs),
         "greedy_vs_hf": greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens),
     }
     for name, graphs in (("target", engine.target.graphs), ("drafter", engine.draft.graphs)):
