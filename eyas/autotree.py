@@ -621,7 +621,7 @@ class TreeTuner:
     realised: deque = field(default_factory=lambda: deque(maxlen=48))  # (tokens, predicted tokens) per round
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone exploring rounds: (tree/depth, rows, rest)
     chosen_overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone chosen rounds, likewise
-    levels: dict[int, deque] = field(default_factory=dict)  # concurrency -> drafting seconds per level beyond the model
+    levels: dict[int, deque] = field(default_factory=dict)  # concurrency > 1 -> drafting seconds per level beyond the model
     rests: dict[int, deque] = field(default_factory=dict)  # concurrency -> round seconds beyond the prediction
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0  # exploring rounds still to hand out
@@ -822,25 +822,27 @@ class TreeTuner:
             self.costs.overhead_per_round = max(0.0, statistics.median(r - slope * rows for _, rows, r in self.chosen_overheads))
 
     def _measure_lockstep(self, record: RoundRecord, concurrent: int) -> None:
-        """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: a level of a
-        lone request carries its own bookkeeping (already in the overheads), a level of n requests in lockstep the
-        bookkeeping of all n plus their hand-offs, which grows faster than n times one request's. The extra, per
-        concurrency, is the median over that concurrency's rounds less n times the lone one (0 before any lone
-        round); once a concurrency has enough rounds its choice is made again with it, and the concurrencies not yet
-        measured, which are priced from the measured ones (`Costs.lockstep_at`), choose again too."""
+        """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: the bookkeeping
+        of all n requests plus their hand-offs. The extra, per concurrency, is the median over that concurrency's
+        rounds, whole: a lone request's drafting bookkeeping is priced per round, not per level (`_calibrate` fits a
+        lone round's rest over its rows), so taking n times it off each level, as this once did, took from the levels
+        what was never charged to them (at 8 requests on the demo models, 5.3 ms a level less 8 x 0.67 came to
+        nothing, and deep trees looked cheap in batches); the n lone copies in the per-round price come back out
+        with the rest (`_measure_rest`). Once a concurrency has enough rounds its choice is made again with it, and
+        the concurrencies not yet measured, which are priced from the measured ones (`Costs.lockstep_at`), choose
+        again too."""
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
-        if concurrent > 1 and policy in EXPLORATIONS:
-            return  # its batch-mates drafted other trees: what its levels took says nothing about theirs
+        if concurrent == 1 or policy in EXPLORATIONS:
+            return  # alone: in the overheads; else its batch-mates drafted other trees, and its levels waited on theirs
         levels, _ = priced_shape(record, policy)
         model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent, levels)
         samples = self.levels.setdefault(concurrent, deque(maxlen=64))
         samples.append(max(0.0, record.seconds["draft"] - model) / max(1.0, levels))
-        if concurrent == 1 or len(samples) < LOCKSTEP_ROUNDS:
+        if len(samples) < LOCKSTEP_ROUNDS:
             return
-        alone = statistics.median(self.levels[1]) if 1 in self.levels else 0.0
-        self.costs.lockstep_per_level[concurrent] = max(0.0, statistics.median(samples) - concurrent * alone)
+        self.costs.lockstep_per_level[concurrent] = statistics.median(samples)
         if len(samples) == LOCKSTEP_ROUNDS:  # a new measured concurrency: the others priced by it choose again
             for other in [c for c in self.choices if c > 1 and c not in self.costs.lockstep_per_level]:
                 del self.choices[other]

@@ -486,9 +486,8 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     second_choice = OracleDrafter(engine.drafter.config, engine.drafter.reference, rank=lambda p: 1)  # deep trees pay
     rounds = []
     generate_auto(engine, tuner, second_choice, max_new_tokens=30, on_round=rounds.append)
-    # this machine's bookkeeping out of the way: the costs alone decide, and a lone level is known to cost 1 ms
+    # this machine's bookkeeping out of the way: the costs alone decide
     tuner.costs.overhead_per_depth = tuner.costs.overhead_per_round = tuner.costs.overhead_per_row = 0.0
-    tuner.levels[1] = deque([0.001] * LOCKSTEP_ROUNDS)
     tuner.choices.clear()
     alone, deep = tuner.choice(1).policy, tuner.choice(8).policy
     assert deep.depth > 1 and tuner.choice(4).policy == deep  # nothing measured together yet
@@ -499,11 +498,12 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
         tuner.observe(slow, 8)
     assert 8 not in tuner.costs.lockstep_per_level and tuner.choice(8).policy == deep
     tuner.observe(slow, 8)
-    assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050 - 8 * 0.001)
+    assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050)  # whole: a lone level's is priced per round
+    assert 1 not in tuner.levels  # the lone rounds above taught it nothing
     assert tuner.choice(8).policy.depth < deep.depth and tuner.choice(1).policy == alone
     # a batch's tail (4 requests left) is priced from the concurrencies measured, not as free, and chooses again
-    assert tuner.costs.lockstep_at(4) == pytest.approx((0.050 - 8 * 0.001) * 3 / 7)
-    assert tuner.costs.lockstep_at(16) == pytest.approx((0.050 - 8 * 0.001) * 2)
+    assert tuner.costs.lockstep_at(4) == pytest.approx(0.050 * 3 / 7)
+    assert tuner.costs.lockstep_at(16) == pytest.approx(0.050 * 2)
     assert tuner.choice(4).policy.depth < deep.depth
 
 
