@@ -137,6 +137,11 @@ def _number(value: np.ndarray) -> float | np.ndarray:
     return float(value) if np.ndim(value) == 0 else value
 
 
+def _positive(x: float | np.ndarray) -> float | np.ndarray:
+    """max(0, x), elementwise on an array (a number stays a Python float: a round's own price is asked every round)."""
+    return np.maximum(0.0, x) if isinstance(x, np.ndarray) else max(0.0, x)
+
+
 class GridArrays(NamedTuple):
     """The grid's policies as arrays, element i being grid()[i]: what `Costs` reads of a policy (width, depth) and
     the shape of a round that drafts and verifies it all (`full_shape`)."""
@@ -247,8 +252,8 @@ class Costs:
         for the seed rows and the shape: every grid policy's seconds at once."""
         levels = policy.depth if levels is None else levels
         n = concurrent
-        drafting = self.draft_at(n * seed_rows) + np.maximum(0.0, levels - 1) * self.draft_at(n * policy.width)
-        return _number(np.where(np.asarray(levels) > 0, drafting, 0.0))
+        drafting = self.draft_at(n * seed_rows) + _positive(levels - 1) * self.draft_at(n * policy.width)
+        return drafting * (levels > 0)
 
     def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
         """The drafter steps plus one verification, each one forward over the rows of `concurrent` requests."""
@@ -269,7 +274,7 @@ class Costs:
         lockstep = levels * self.lockstep_at(concurrent)
         model = self.model_seconds(policy, seed_rows, concurrent, (levels, rows))
         extra = concurrent * overhead + lockstep + (self.rest_at(concurrent) if rest else 0.0)
-        return _number(model + np.maximum(0.0, extra))
+        return model + _positive(extra)
 
     def lockstep_at(self, concurrent: int) -> float:
         """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
