@@ -64,7 +64,7 @@ class ServiceMetrics:
             "eyas_batch_calls", "Requests' calls per Batch call sent to a worker, by pool", ["pool"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r
         )
         self._recent: deque[tuple[float, int, str]] = deque()
-        self._throughput_labels: set[str] = set()
+        self._recent_tokens: dict[str, int] = {}  # label -> tokens of the rounds in `_recent` (every label seen: 0 when none)
         self._lock = threading.Lock()
         self._server = None
 
@@ -110,14 +110,12 @@ class ServiceMetrics:
         now = self._clock()
         with self._lock:
             self._recent.append((now, len(record.emitted), label))
+            self._recent_tokens[label] = self._recent_tokens.get(label, 0) + len(record.emitted)
             while self._recent and self._recent[0][0] < now - 60:
-                self._recent.popleft()
+                _, n, lab = self._recent.popleft()
+                self._recent_tokens[lab] -= n  # a label with no round left in the window drops to 0
             window = max(1e-9, min(60.0, now - self._recent[0][0])) if len(self._recent) > 1 else 60.0
-            totals = dict.fromkeys(self._throughput_labels, 0)  # a label with no round in the window drops to 0
-            for _, n, lab in self._recent:
-                totals[lab] = totals.get(lab, 0) + n
-            self._throughput_labels.update(totals)
-            for lab, n in totals.items():
+            for lab, n in self._recent_tokens.items():  # running sums: a round costs O(labels), not O(window)
                 self.throughput.labels(lab).set(n / window)
 
     def observe_request(self, seconds: float, active: int) -> None:

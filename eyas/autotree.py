@@ -128,13 +128,10 @@ def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
 def _interpolate(xs: list[int], ys: list[float], x: float | np.ndarray) -> float | np.ndarray:
     """Piecewise-linear through measured points, flat before the first one and extended linearly past the last one;
     at a number, or at every element of an array (a choice prices the whole grid at once)."""
-    past = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (np.asarray(x) - xs[-1])
-    return _number(np.where(np.asarray(x) > xs[-1], past, np.interp(x, xs, ys)))
-
-
-def _number(value: np.ndarray) -> float | np.ndarray:
-    """A numpy result as a float where it is a single value, else the array."""
-    return float(value) if np.ndim(value) == 0 else value
+    past = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+    if isinstance(x, np.ndarray):
+        return np.where(x > xs[-1], past, np.interp(x, xs, ys))
+    return past if x > xs[-1] else float(np.interp(x, xs, ys))  # a Python float: forwards are fed back one by one
 
 
 def _positive(x: float | np.ndarray) -> float | np.ndarray:
