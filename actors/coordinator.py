@@ -360,7 +360,7 @@ class Coordinator:
         batch-mates' among them, and seconds), which the tuner sets against the measured curves (warm and alone
         there; inside rounds the other model has evicted their weights), as the engine feeds it every forward."""
         with self._tuner_lock:
-            self.tuner.observe(record, concurrent)
+            self.tuner.observe(record, concurrent, 0.0 if record.pre_built else job.draft_session.off_worker)
             for rows, seconds in job.target_session.forwards:
                 self.tuner.costs.observe("verify", rows, seconds)
             if not record.pre_built:  # a tree drafted ahead computed beside the last verification

@@ -82,6 +82,10 @@ class CallTiming:
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def off_worker(self) -> float:
+        """Seconds spent outside the workers' compute: on the wire, (de)serializing, queued and waiting for batch-mates."""
+        return self.rpc + self.serialize + self.queue + self.batch
+
     def charge(self, server: dict[str, float], serialize: float, wire: float) -> None:
         """Add one call: the worker's phases, the caller's own (de)serialization, and the wall time on the wire
         (what the worker's phases leave of it is transport)."""
@@ -322,6 +326,7 @@ class RemoteDraft(RemoteSession):
         super().__init__(client, request_id, manifest_id, timing)
         self.vocab_size = vocab_size
         self._reseed: tuple[int, torch.Tensor, list[int]] | None = None
+        self.off_worker = 0.0  # the last Draft call's seconds outside the worker's compute (`CallTiming.off_worker`)
 
     def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
         """`start` as an operation of the request's start (the drafter's prefill runs on the worker)."""
@@ -362,7 +367,9 @@ class RemoteDraft(RemoteSession):
             return proposal
 
         call = RemoteCall("Draft", build, pb.Proposal, parse, self.timing)
-        proposal = yield Forward(self.client, call)
+        before = self.timing.off_worker()
+        proposal = yield Forward(self.client, call)  # its timing is charged before the round resumes
+        self.off_worker = self.timing.off_worker() - before
         self.forwards = call.forwards
         self._reseed = None
         return proposal

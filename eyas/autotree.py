@@ -673,12 +673,13 @@ class TreeTuner:
             self.choose(concurrent)
         return self.choices.get(concurrent) or Choice(EXPLORE, 0.0, 0.0)
 
-    def observe(self, record: RoundRecord, concurrent: int = 1) -> None:
+    def observe(self, record: RoundRecord, concurrent: int = 1, draft_off_worker: float = 0.0) -> None:
         """Fold in one finished round (run beside `concurrent - 1` others): an exploring round is kept and every
         concurrency chooses again; a chosen round's acceptance is checked against its prediction, and on drift or
         after a while the tuner explores again; every RECORRECT_ROUNDS chosen rounds, the choice is made again on
-        what they taught (`_choose_again`)."""
-        self._measure_lockstep(record, concurrent)
+        what they taught (`_choose_again`). `draft_off_worker`: of the round's drafting time, the seconds its Draft
+        call spent on the wire, queued or waiting for batch-mates (a service's round; once a call, not a level)."""
+        self._measure_lockstep(record, concurrent, draft_off_worker)
         if record.policy in EXPLORATIONS:
             self._explored(record, concurrent)
             self.choices.clear()  # every concurrency chooses again, on the rounds explored so far
@@ -823,7 +824,7 @@ class TreeTuner:
             slope = self.costs.overhead_per_row
             self.costs.overhead_per_round = max(0.0, statistics.median(r - slope * rows for _, rows, r in self.chosen_overheads))
 
-    def _measure_lockstep(self, record: RoundRecord, concurrent: int) -> None:
+    def _measure_lockstep(self, record: RoundRecord, concurrent: int, off_worker: float = 0.0) -> None:
         """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: the bookkeeping
         of all n requests plus their hand-offs. The extra, per concurrency, is the median over that concurrency's
         rounds, whole: a lone request's drafting bookkeeping is priced per round, not per level (`_calibrate` fits a
@@ -832,7 +833,9 @@ class TreeTuner:
         nothing, and deep trees looked cheap in batches); the n lone copies in the per-round price come back out
         with the rest (`_measure_rest`). Once a concurrency has enough rounds its choice is made again with it, and
         the concurrencies not yet measured, which are priced from the measured ones (`Costs.lockstep_at`), choose
-        again too."""
+        again too. A service's Draft call drafts every level in one call: its time off the worker (`off_worker`:
+        wire, serialization, the queue behind the other group) is the round's, not its levels', and is left to the
+        rest."""
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
@@ -841,7 +844,7 @@ class TreeTuner:
         levels, _ = priced_shape(record, policy)
         model = self.costs.draft_seconds_for(policy, record.decision.num_accepted + 1, concurrent, levels)
         samples = self.levels.setdefault(concurrent, deque(maxlen=64))
-        samples.append(max(0.0, record.seconds["draft"] - model) / max(1.0, levels))
+        samples.append(max(0.0, record.seconds["draft"] - off_worker - model) / max(1.0, levels))
         if len(samples) < LOCKSTEP_ROUNDS:
             return
         self.costs.lockstep_per_level[concurrent] = statistics.median(samples)

@@ -479,7 +479,8 @@ def test_beside_batch_mates_drift_explores_one_round_not_a_whole_exploration(eng
 
 
 def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engine):
-    """Rounds of 8 requests whose drafting levels cost far more than the drafter's forwards (their lockstep):
+    """Rounds of 8 requests whose drafting levels cost far more than the drafter's forwards (their lockstep), and whose
+    Draft calls spent time off the worker, which is the round's, not its levels':
     after LOCKSTEP_ROUNDS of them the tuner charges each level that extra at 8 and drafts shallower there;
     a lone request's choice does not move."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
@@ -493,11 +494,12 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     assert deep.depth > 1 and tuner.choice(4).policy == deep  # nothing measured together yet
     last = rounds[-1]
     model = tuner.costs.draft_seconds_for(deep, last.decision.num_accepted + 1, 8)
-    slow = replace(last, policy=deep, seconds={**last.seconds, "draft": model + deep.depth * 0.050})
+    # as a service's rounds: 0.3 s of each round's drafting was its Draft call on the wire and queued (once a round)
+    slow = replace(last, policy=deep, seconds={**last.seconds, "draft": model + deep.depth * 0.050 + 0.3})
     for _ in range(LOCKSTEP_ROUNDS - 1):
-        tuner.observe(slow, 8)
+        tuner.observe(slow, 8, draft_off_worker=0.3)
     assert 8 not in tuner.costs.lockstep_per_level and tuner.choice(8).policy == deep
-    tuner.observe(slow, 8)
+    tuner.observe(slow, 8, draft_off_worker=0.3)
     assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050)  # whole: a lone level's is priced per round
     assert 1 not in tuner.levels  # the lone rounds above taught it nothing
     assert tuner.choice(8).policy.depth < deep.depth and tuner.choice(1).policy == alone
