@@ -141,11 +141,10 @@ def _positive(x: float | np.ndarray) -> float | np.ndarray:
 
 class GridArrays(NamedTuple):
     """The grid's policies as arrays, element i being grid()[i]: what `Costs` reads of a policy (width, depth) and
-    the shape of a round that drafts and verifies it all (`full_shape`)."""
+    the rows a round verifies when it verifies its whole budget (`full_shape`: its levels are the depth)."""
 
     width: np.ndarray
     depth: np.ndarray
-    levels: np.ndarray
     rows: np.ndarray
 
 
@@ -153,8 +152,11 @@ class GridArrays(NamedTuple):
 def grid_arrays() -> GridArrays:
     """`grid()` as arrays (built once)."""
     policies = grid()
-    depth = np.array([float(p.depth) for p in policies])
-    return GridArrays(np.array([float(p.width) for p in policies]), depth, depth, np.array([p.budget + 1.0 for p in policies]))
+    return GridArrays(
+        np.array([float(p.width) for p in policies]),
+        np.array([float(p.depth) for p in policies]),
+        np.array([p.budget + 1.0 for p in policies]),
+    )
 
 
 Shape = tuple[float, float]  # a round's drafting levels and verified rows (the root's included)
@@ -212,7 +214,7 @@ class Costs:
     def _curve_at(self, kind: str, rows: float | np.ndarray) -> float | np.ndarray:
         """`kind`'s scaled curve ("verify" or "draft") at `rows`: at a row count computed once between observed
         forwards, at an array of them (a choice's whole grid) at once."""
-        key = None if np.ndim(rows) else (kind, rows)
+        key = None if isinstance(rows, np.ndarray) else (kind, rows)
         if key not in self._at:
             xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
             value = _interpolate(xs, self.scaled.get(kind, ys), rows)
@@ -912,7 +914,7 @@ class TreeTuner:
             return self.current
         policies, arrays = grid(), grid_arrays()
         tokens = np.array([self.tokens(p) for p in policies])
-        levels, rows = arrays.levels.copy(), arrays.rows.copy()
+        levels, rows = arrays.depth.copy(), arrays.rows.copy()
         for i, policy in enumerate(policies):
             if policy.stop:
                 levels[i], rows[i] = self.shape(policy, concurrent)
