@@ -17,8 +17,8 @@ time is that of the levels they draft on those rounds, not of their full depth. 
 predicted round time picks the policy.
 Realised acceptance is watched; when it drifts from the prediction, or after a while, the tuner
 explores again. Chosen rounds also correct the predictions: at each depth, how often their accepted paths went on
-against how often the explored rounds say the same policy's would (`LevelCorrection`), and beside batch-mates, what
-their rounds took against their predicted time (`Costs.rest_at`); every RECORRECT_ROUNDS chosen rounds the choice is
+against how often the explored rounds say the same policy's would (`LevelCorrection`), and beside batch-mates,
+what their rounds took beyond the forwards (`Costs.per_round_at`); every RECORRECT_ROUNDS chosen rounds the choice is
 made again on them. A chosen round is itself a sample, exact and on the text being decoded, of every smaller policy
 its tree holds (`Replay.exact`): those policies' scores take in what they would have committed there
 (`TreeTuner.replayed`), so a choice whose smaller neighbours did better on the same rounds moves to them.
@@ -93,6 +93,12 @@ def grid() -> tuple[TreePolicy, ...]:
         for d in range(1, EXPLORE.depth + 1):
             policies += [TreePolicy(k, d, b) for b in BUDGETS if d <= b <= reachable(k, d)]
     return tuple(policies)
+
+
+@functools.cache
+def grid_index() -> dict[TreePolicy, int]:
+    """Each grid policy's place in `grid()`."""
+    return {policy: i for i, policy in enumerate(grid())}
 
 
 @functools.cache
@@ -194,7 +200,7 @@ class Costs:
     overhead_per_round: float = 0.0
     overhead_per_row: float = 0.0
     lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
-    rest_per_round: dict[int, float] = field(default_factory=dict)  # concurrency -> seconds its rounds took beyond all that
+    round_at_concurrency: dict[int, float] = field(default_factory=dict)  # concurrency > 1 -> a round's own bookkeeping there
     observed: dict[str, deque] = field(default_factory=dict)  # "verify" / "draft" -> recent observed / measured ratios
     observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (kind, measured point) -> ratios nearest it
     point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
@@ -259,21 +265,17 @@ class Costs:
         levels, rows = shape or full_shape(policy)
         return self.draft_seconds_for(policy, seed_rows, concurrent, levels) + self.verify_at(concurrent * rows)
 
-    def round_seconds(
-        self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None, rest: bool = True
-    ) -> float:
+    def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
         """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
-        `concurrent` requests stepping together (their bookkeeping takes turns, each drafting level costs the
-        lockstep what was measured at that concurrency, or what the measured ones imply: `lockstep_at`, and with
-        `rest` their rounds take what the rounds measured there took beyond all that: `rest_at`). `shape`: the
-        levels drafted and rows verified, where they are not the policy's depth and budget + 1 (a policy that
-        stops). Never less than the model forwards alone."""
+        `concurrent` requests stepping together: the forwards, each request's bookkeeping per level and per verified
+        row (they take turns at it), what each drafting level costs the lockstep (`lockstep_at`), and the round's own
+        bookkeeping at that concurrency (`per_round_at`). `shape`: the levels drafted and rows verified, where they
+        are not the policy's depth and budget + 1 (a policy that stops). Never less than the model forwards alone."""
         levels, rows = shape or full_shape(policy)
-        overhead = levels * self.overhead_per_depth + self.overhead_per_round + rows * self.overhead_per_row
+        per_request = levels * self.overhead_per_depth + rows * self.overhead_per_row
         lockstep = levels * self.lockstep_at(concurrent)
         model = self.model_seconds(policy, seed_rows, concurrent, (levels, rows))
-        extra = concurrent * overhead + lockstep + (self.rest_at(concurrent) if rest else 0.0)
-        return model + _positive(extra)
+        return model + _positive(concurrent * per_request + lockstep + self.per_round_at(concurrent))
 
     def lockstep_at(self, concurrent: int) -> float:
         """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
@@ -282,22 +284,24 @@ class Costs:
         rounds only; priced at 0 there, they would draft as deep as a lone request."""
         return by_concurrency(self.lockstep_per_level, concurrent)
 
-    def rest_at(self, concurrent: int) -> float:
-        """Seconds a round of `concurrent` requests stepping together takes beyond its forwards, their bookkeeping
-        (priced at a lone round's, times the requests) and the lockstep's levels, from the rounds measured at that
-        concurrency and the others like `lockstep_at` (may be negative: requests together share some of a lone
-        round's bookkeeping)."""
-        return by_concurrency(self.rest_per_round, concurrent)
+    def per_round_at(self, concurrent: int) -> float:
+        """A round's own bookkeeping (beyond its levels' and verified rows') when `concurrent` requests step
+        together: a lone round's fitted `overhead_per_round`; beside batch-mates, as measured at that concurrency
+        (`TreeTuner._measure_round`), else between the nearest measured ones and a lone round's, and before any is
+        measured, a lone round's times the requests. Measured whole, not as a correction to n lone copies: a lone
+        round's fit moves with every lone round, and n copies of its noise would move the batch's price with it."""
+        return by_concurrency(self.round_at_concurrency, concurrent, self.overhead_per_round)
 
 
-def by_concurrency(measured: dict[int, float], concurrent: int) -> float:
-    """A cost measured at some concurrencies, at `concurrent`: the measured value, else linear between the nearest
-    measured ones and (1, 0), and past the largest in proportion to the requests."""
-    if concurrent <= 1 or not measured:
-        return 0.0
+def by_concurrency(measured: dict[int, float], concurrent: int, alone: float = 0.0) -> float:
+    """A cost measured at some concurrencies, at `concurrent`: `alone` for a lone request, the measured value, else
+    linear between the nearest measured ones and (1, `alone`), and past the largest (or with none measured, past 1) in
+    proportion to the requests."""
+    if concurrent <= 1:
+        return alone
     if concurrent in measured:
         return measured[concurrent]
-    points = sorted([(1, 0.0), *measured.items()])
+    points = sorted([(1, alone), *measured.items()])
     x0, y0 = max(point for point in points if point[0] < concurrent)
     above = [point for point in points if point[0] > concurrent]
     if not above:
@@ -512,13 +516,31 @@ class Explored:
             self._tokens[policy] = self._mean(policy, factors)
         return self._tokens[policy]
 
-    def _mean(self, policy: TreePolicy, factors: list[float] | None) -> tuple[float, float]:
-        """`tokens`, computed from the kept sums."""
+    def means(self, policies: list[TreePolicy], factors: list[float] | None = None) -> np.ndarray:
+        """[P] the mean of `tokens` of each of `policies`, at once and with the same arithmetic: a choice asks for the
+        whole grid, and after each level correction the cache of `tokens` is cold (one policy at a time, that took
+        8-13 ms, once in 4 steps of a batch of 8 on the 2-core machine)."""
+        sums = [self._sums_of(policy) for policy in policies]
+        n = len(self.replays)
+        if factors is None:
+            return np.array([total for total, _, _ in sums]) / n
+        depths = np.array([d for _, _, d in sums]).reshape(len(sums), -1)  # [P, D]
+        accepted = np.zeros(len(sums))
+        for k, factor in enumerate(factors[: depths.shape[1]]):  # summed in `_mean`'s order, so each mean is the same
+            accepted = accepted + factor * depths[:, k]
+        return 1.0 + accepted / n
+
+    def _sums_of(self, policy: TreePolicy) -> tuple[float, float, list[float]]:
+        """The kept sums of `policy`'s tokens over these rounds (computed on first use, then kept up to date)."""
         if policy not in self._sums:
             values = [1.0 + replay.expected(policy) for replay in self.replays]
             depths = [sum(column) for column in zip(*(replay.by_depth(policy) for replay in self.replays))]
             self._sums[policy] = (sum(values), sum(x * x for x in values), depths)
-        total, squares, depths = self._sums[policy]
+        return self._sums[policy]
+
+    def _mean(self, policy: TreePolicy, factors: list[float] | None) -> tuple[float, float]:
+        """`tokens`, computed from the kept sums."""
+        total, squares, depths = self._sums_of(policy)
         n = len(self.replays)
         mean = total / n
         spread = max(0.0, squares - n * mean * mean) / max(1, n - 1)
@@ -626,7 +648,7 @@ class TreeTuner:
     overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone exploring rounds: (tree/depth, rows, rest)
     chosen_overheads: deque = field(default_factory=lambda: deque(maxlen=32))  # lone chosen rounds, likewise
     levels: dict[int, deque] = field(default_factory=dict)  # concurrency > 1 -> drafting seconds per level beyond the model
-    rests: dict[int, deque] = field(default_factory=dict)  # concurrency -> round seconds beyond the prediction
+    beside: dict[int, deque] = field(default_factory=dict)  # concurrency > 1 -> (seconds beyond the forwards, levels, rows)
     choices: dict[int, Choice] = field(default_factory=dict)  # concurrency -> choice since the last exploration
     exploring: int = 0  # exploring rounds still to hand out
     since_choice: int = 0
@@ -688,12 +710,12 @@ class TreeTuner:
             return
         if self.exploring:
             return  # drafted before an exploration began (requests stepping together have rounds in flight)
-        first_rest = self._measure_rest(record, concurrent)
+        first_measured = self._measure_round(record, concurrent)
         self._correct_levels(record)
         self._replay_chosen(record)
         self._check(record, concurrent)
         self.chosen_rounds += 1
-        if (first_rest or self.chosen_rounds % RECORRECT_ROUNDS == 0) and not self.exploring:
+        if (first_measured or self.chosen_rounds % RECORRECT_ROUNDS == 0) and not self.exploring:
             self._choose_again(concurrent)
 
     def _check(self, record: RoundRecord, concurrent: int) -> None:
@@ -736,26 +758,31 @@ class TreeTuner:
                 kept = self.replayed.setdefault(policy, deque(maxlen=REPLAYED_ROUNDS))
                 kept.append((1.0 + replay.expected(policy), *replay.drafted(policy)))
 
-    def _measure_rest(self, record: RoundRecord, concurrent: int) -> bool:
-        """Learn what a chosen round of `concurrent` requests stepping together takes beyond its prediction: their
-        bookkeeping is priced at a lone round's times the requests, which a lone round's noise multiplies and which
-        requests together partly share. The median over that concurrency's recent rounds, once LOCKSTEP_ROUNDS are
-        in after that concurrency's lockstep cost, counts in every policy's round there (`Costs.rest_at`). Whether
-        this round was the one that first measured it (that concurrency then chooses again at once)."""
+    def _measure_round(self, record: RoundRecord, concurrent: int) -> bool:
+        """Learn a round's own bookkeeping when `concurrent` requests step together (`Costs.per_round_at`): each
+        chosen round there keeps what it took beyond its forwards, with its levels and rows; once that concurrency's
+        lockstep cost is in and LOCKSTEP_ROUNDS rounds are kept, the median over them of that time less their
+        levels' and rows' price at the current costs is the round's own there. Kept raw and priced afresh at every
+        round, so a cost learned later (the lockstep's, a lone round's per level and per row) is never left inside
+        it. Whether this round was the one that first measured it (that concurrency then chooses again at once)."""
         policy = record.policy
-        if policy is None or not policy.depth or "draft" not in record.seconds:
+        if concurrent == 1 or policy is None or not policy.depth or "draft" not in record.seconds:
             return False
-        if concurrent not in self.costs.lockstep_per_level:
-            return False  # a lone round, or the lockstep's cost here (learned from the same rounds) not yet measured
         observed = sum(record.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         # a policy that stops waits for the deepest of its batch-mates' levels: set beside the price `score` gives it
-        shape = self.shape(policy, concurrent) if policy.stop else full_shape(policy)
-        predicted = self.costs.round_seconds(policy, record.decision.num_accepted + 1, concurrent, shape, rest=False)
-        samples = self.rests.setdefault(concurrent, deque(maxlen=64))
-        samples.append(observed - predicted)
-        if len(samples) >= LOCKSTEP_ROUNDS:
-            self.costs.rest_per_round[concurrent] = statistics.median(samples)
-        return len(samples) == LOCKSTEP_ROUNDS
+        levels, rows = shape = self.shape(policy, concurrent) if policy.stop else full_shape(policy)
+        model = self.costs.model_seconds(policy, record.decision.num_accepted + 1, concurrent, shape)
+        samples = self.beside.setdefault(concurrent, deque(maxlen=64))
+        samples.append((observed - model, levels, rows))
+        costs = self.costs
+        if concurrent not in costs.lockstep_per_level or len(samples) < LOCKSTEP_ROUNDS:
+            return False
+        first = concurrent not in costs.round_at_concurrency
+        lockstep, per_depth, per_row = costs.lockstep_at(concurrent), costs.overhead_per_depth, costs.overhead_per_row
+        costs.round_at_concurrency[concurrent] = statistics.median(
+            beyond - concurrent * (levels * per_depth + rows * per_row) - levels * lockstep for beyond, levels, rows in samples
+        )
+        return first
 
     def _choose_again(self, concurrent: int) -> None:
         """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the rounds since, `concurrent`
@@ -832,12 +859,12 @@ class TreeTuner:
         rounds, whole: a lone request's drafting bookkeeping is priced per round, not per level (`_calibrate` fits a
         lone round's rest over its rows), so taking n times it off each level, as this once did, took from the levels
         what was never charged to them (at 8 requests on the demo models, 5.3 ms a level less 8 x 0.67 came to
-        nothing, and deep trees looked cheap in batches); the n lone copies in the per-round price come back out
-        with the rest (`_measure_rest`). Once a concurrency has enough rounds its choice is made again with it, and
+        nothing, and deep trees looked cheap in batches); a round's own bookkeeping there is measured whole too
+        (`_measure_round`). Once a concurrency has enough rounds its choice is made again with it, and
         the concurrencies not yet measured, which are priced from the measured ones (`Costs.lockstep_at`), choose
         again too. A service's Draft call drafts every level in one call: its time off the worker (`off_worker`:
         wire, serialization, the queue behind the other group) is the round's, not its levels', and is left to the
-        rest."""
+        round's own (`_measure_round`)."""
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
@@ -888,10 +915,31 @@ class TreeTuner:
 
     def tokens(self, policy: TreePolicy) -> float:
         """`score`'s expected tokens per round of `policy`."""
-        tokens, _ = self.rounds_for(policy).tokens(policy, self.factors)
+        return self._with_replayed(policy, self.rounds_for(policy).tokens(policy, self.factors)[0])
+
+    def _with_replayed(self, policy: TreePolicy, predicted: float) -> float:
+        """The explored prediction of `policy`'s tokens per round, averaged with its replayed rounds where it has any
+        (the prediction counting as PREDICTION_ROUNDS of them)."""
         replayed = self.replayed.get(policy)
-        if replayed:
-            tokens = (sum(t for t, _, _ in replayed) + PREDICTION_ROUNDS * tokens) / (len(replayed) + PREDICTION_ROUNDS)
+        if not replayed:
+            return predicted
+        return (sum(t for t, _, _ in replayed) + PREDICTION_ROUNDS * predicted) / (len(replayed) + PREDICTION_ROUNDS)
+
+    def _grid_tokens(self) -> np.ndarray:
+        """[len(grid())] `tokens` of every grid policy, at once: each kind of explored rounds prices its policies
+        together (`Explored.means`), and the policies with replayed rounds take them in as `tokens` does."""
+        policies = grid()
+        by_rounds: dict[int, tuple[Explored, list[int]]] = {}
+        for i, policy in enumerate(policies):
+            rounds = self.rounds_for(policy)
+            by_rounds.setdefault(id(rounds), (rounds, []))[1].append(i)
+        tokens = np.empty(len(policies))
+        for rounds, index in by_rounds.values():
+            tokens[index] = rounds.means([policies[i] for i in index], self.factors)
+        for policy in self.replayed:
+            i = grid_index().get(policy)
+            if i is not None:
+                tokens[i] = self._with_replayed(policy, float(tokens[i]))
         return tokens
 
     def shape(self, policy: TreePolicy, concurrent: int = 1) -> Shape:
@@ -913,7 +961,7 @@ class TreeTuner:
         if not self._any_explored():
             return self.current
         policies, arrays = grid(), grid_arrays()
-        tokens = np.array([self.tokens(p) for p in policies])
+        tokens = self._grid_tokens()
         levels, rows = arrays.depth.copy(), arrays.rows.copy()
         for i, policy in enumerate(policies):
             if policy.stop:

@@ -252,39 +252,58 @@ def test_level_corrections_compare_a_floor_with_its_own_prediction():
 
 
 def test_rounds_of_requests_together_are_priced_at_what_they_took():
-    """Beside batch-mates a round's bookkeeping is priced at a lone round's times the requests; once the lockstep's
-    cost at that concurrency is in, what the rounds there took beyond the prediction (their median, after
-    LOCKSTEP_ROUNDS) counts in every policy's round there, and between measured concurrencies in proportion."""
+    """Beside batch-mates a round's own bookkeeping is priced at a lone round's times the requests until its
+    concurrency is measured; once the lockstep's cost there is in and LOCKSTEP_ROUNDS rounds are kept, at the median
+    of what they took beyond their forwards, levels and rows, whole. A lone round's fit moving later moves a lone
+    round's price, not theirs; a lockstep cost learned later is taken out of the kept rounds afresh (the round's
+    total stays what the rounds took); concurrencies between are priced in proportion."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.020], [1, 16], [0.002, 0.003]), explore_rounds=0, explore_every=0)
     tuner.explored_chains.append(chain_replay([0.9] * EXPLORE.depth))
     tuner.costs.overhead_per_round = 0.004  # a lone round's bookkeeping: 32 ms for 8 requests
-    policy = TreePolicy(1, 2, 2)
-    predicted = tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0))
+    policy, shape = TreePolicy(1, 2, 2), (2.0, 3.0)
+    model = tuner.costs.model_seconds(policy, 2.0, 8, shape)
+    assert tuner.costs.round_seconds(policy, 2.0, 8, shape) == pytest.approx(model + 8 * 0.004)
     draft = tuner.costs.draft_seconds_for(policy, 2.0, 8)  # levels that cost the lockstep nothing beyond the drafter
     tuner.levels[8] = deque([0.0] * LOCKSTEP_ROUNDS, maxlen=64)
     tuner.costs.lockstep_per_level[8] = 0.0
     for _ in range(LOCKSTEP_ROUNDS):
-        tuner.observe(chain_round(policy, accepted=1, draft=draft, verify=predicted - 0.020 - draft), 8)
-    assert tuner.costs.lockstep_per_level[8] == 0.0
-    assert tuner.costs.rest_at(8) == pytest.approx(-0.020) and 8 in tuner.choices  # first measured: chosen on it
-    assert tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0)) == pytest.approx(predicted - 0.020)
-    assert tuner.costs.rest_at(4) == pytest.approx(-0.020 * 3 / 7) and tuner.costs.rest_at(1) == 0.0
-    model = tuner.costs.model_seconds(policy, 2.0, 8, (2.0, 3.0))
-    tuner.costs.rest_per_round[8] = -1.0
-    assert tuner.costs.round_seconds(policy, 2.0, 8, (2.0, 3.0)) == model  # never less than the forwards
+        assert 8 not in tuner.choices
+        tuner.observe(chain_round(policy, accepted=1, draft=draft, verify=model - draft + 0.012), 8)
+    assert tuner.costs.per_round_at(8) == pytest.approx(0.012) and 8 in tuner.choices  # first measured: chosen on it
+    assert tuner.costs.round_seconds(policy, 2.0, 8, shape) == pytest.approx(model + 0.012)
+    tuner.costs.overhead_per_round = 0.010  # lone rounds fitted again
+    assert tuner.costs.round_seconds(policy, 2.0, 8, shape) == pytest.approx(model + 0.012)
+    assert tuner.costs.round_seconds(policy, 2.0, 1, shape) == pytest.approx(tuner.costs.model_seconds(policy, 2.0, 1, shape) + 0.010)
+    assert tuner.costs.per_round_at(4) == pytest.approx(0.010 + (0.012 - 0.010) * 3 / 7)
+    assert tuner.costs.per_round_at(16) == pytest.approx(0.012 * 2)
+    tuner.levels[8] = deque([0.002] * LOCKSTEP_ROUNDS, maxlen=64)  # each level costs the lockstep 2 ms after all
+    tuner.observe(chain_round(policy, accepted=1, draft=draft + 0.004, verify=model - draft + 0.008), 8)
+    assert tuner.costs.lockstep_at(8) == pytest.approx(0.002)
+    assert tuner.costs.per_round_at(8) == pytest.approx(0.008)  # every kept round less its levels at 2 ms
+    assert tuner.costs.round_seconds(policy, 2.0, 8, shape) == pytest.approx(model + 0.012)
+    tuner.costs.round_at_concurrency[8] = -1.0
+    assert tuner.costs.round_seconds(policy, 2.0, 8, shape) == pytest.approx(model)  # never less than the forwards
 
 
 def test_a_choice_prices_the_whole_grid_as_score_prices_each_policy():
-    """`choose` prices every grid policy at once; what it picks, and the rate it records, are those of the policy
-    `score` rates highest one at a time (the first in the grid on a tie), with floors, replayed rounds, the lockstep
-    and the rest at a concurrency all counted."""
+    """`choose` prices every grid policy at once, its tokens (with level corrections and replayed rounds) and its
+    time; what it picks, and the rate it records, are those of the policy `score` rates highest one at a time (the
+    first in the grid on a tie), with floors, replayed rounds, the lockstep and a round's own at a concurrency all
+    counted."""
     tuner = TreeTuner(Costs([1, 8, 16, 65], [0.010, 0.011, 0.030, 0.080], [1, 16], [0.001, 0.004]), explore_rounds=0)
     for confidences in ([0.9] * 8, [0.9, 0.5, 0.9, 0.2], [0.3, 0.9], [0.9, 0.9, 0.9]):
         tuner.explored_chains.append(chain_replay(confidences))
+    tree = DraftTree(0)  # and a narrow round, which every wider policy is scored on too (no wide one yet)
+    a, b = tree.add_children([0], [(0, 1, 0.6), (0, 2, 0.3)])
+    tree.add_children([a, b], [(a, 3, 0.9), (a, 4, 0.05), (b, 5, 0.9)])
+    tuner.explored_narrow.append(Replay(tree, {a: 1.0, b: 0.0, 3: 0.5, 4: 0.0, 5: 1.0}))
     tuner.costs.overhead_per_depth, tuner.costs.overhead_per_round, tuner.costs.overhead_per_row = 0.0005, 0.003, 0.0001
-    tuner.costs.lockstep_per_level[8], tuner.costs.rest_per_round[8] = 0.002, -0.010
+    tuner.costs.lockstep_per_level[8], tuner.costs.round_at_concurrency[8] = 0.002, 0.014
     tuner.replayed[TreePolicy(1, 8, 8, 0.2)] = deque([(4.0, 4, 5)] * 8)
     tuner.replayed[TreePolicy(1, 2, 2)] = deque([(2.0, 2, 3)] * 4)
+    for factors in (None, [1.0, 0.93, 0.81, 0.8, 0.77, 0.6, 0.55, 0.5]):  # before and after a level correction
+        tuner.factors = factors
+        assert tuner._grid_tokens().tolist() == [tuner.tokens(p) for p in grid()]  # the same arithmetic, bit for bit
     chosen = {}
     for concurrent in (1, 3, 8):
         best = max(grid(), key=lambda p: tuner.score(p, concurrent)[1])
@@ -494,12 +513,12 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     assert deep.depth > 1 and tuner.choice(4).policy == deep  # nothing measured together yet
     last = rounds[-1]
     model = tuner.costs.draft_seconds_for(deep, last.decision.num_accepted + 1, 8)
-    # as a service's rounds: 0.3 s of each round's drafting was its Draft call on the wire and queued (once a round)
-    slow = replace(last, policy=deep, seconds={**last.seconds, "draft": model + deep.depth * 0.050 + 0.3})
+    # as a service's rounds: 6 ms of each round's drafting was its Draft call on the wire and queued (once a round)
+    slow = replace(last, policy=deep, seconds={**last.seconds, "draft": model + deep.depth * 0.050 + 0.006})
     for _ in range(LOCKSTEP_ROUNDS - 1):
-        tuner.observe(slow, 8, draft_off_worker=0.3)
+        tuner.observe(slow, 8, draft_off_worker=0.006)
     assert 8 not in tuner.costs.lockstep_per_level and tuner.choice(8).policy == deep
-    tuner.observe(slow, 8, draft_off_worker=0.3)
+    tuner.observe(slow, 8, draft_off_worker=0.006)
     assert tuner.costs.lockstep_per_level[8] == pytest.approx(0.050)  # whole: a lone level's is priced per round
     assert 1 not in tuner.levels  # the lone rounds above taught it nothing
     assert tuner.choice(8).policy.depth < deep.depth and tuner.choice(1).policy == alone
