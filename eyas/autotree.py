@@ -780,7 +780,8 @@ class TreeTuner:
         first = concurrent not in costs.round_at_concurrency
         lockstep, per_depth, per_row = costs.lockstep_at(concurrent), costs.overhead_per_depth, costs.overhead_per_row
         costs.round_at_concurrency[concurrent] = statistics.median(
-            beyond - concurrent * (levels * per_depth + rows * per_row) - levels * lockstep for beyond, levels, rows in samples
+            beyond - concurrent * (drafted * per_depth + verified * per_row) - drafted * lockstep
+            for beyond, drafted, verified in samples
         )
         return first
 

@@ -304,6 +304,9 @@ def test_a_choice_prices_the_whole_grid_as_score_prices_each_policy():
     for factors in (None, [1.0, 0.93, 0.81, 0.8, 0.77, 0.6, 0.55, 0.5]):  # before and after a level correction
         tuner.factors = factors
         assert tuner._grid_tokens().tolist() == [tuner.tokens(p) for p in grid()]  # the same arithmetic, bit for bit
+    tuner.explored_chains.append(chain_replay([0.5, 0.9]))  # the rounds change: the sums with them
+    assert tuner._grid_tokens().tolist() == [tuner.tokens(p) for p in grid()]
+    tuner.factors = None
     chosen = {}
     for concurrent in (1, 3, 8):
         best = max(grid(), key=lambda p: tuner.score(p, concurrent)[1])
