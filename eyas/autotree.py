@@ -272,10 +272,14 @@ class Costs:
         bookkeeping at that concurrency (`per_round_at`). `shape`: the levels drafted and rows verified, where they
         are not the policy's depth and budget + 1 (a policy that stops). Never less than the model forwards alone."""
         levels, rows = shape or full_shape(policy)
-        per_request = levels * self.overhead_per_depth + rows * self.overhead_per_row
-        lockstep = levels * self.lockstep_at(concurrent)
         model = self.model_seconds(policy, seed_rows, concurrent, (levels, rows))
-        return model + _positive(concurrent * per_request + lockstep + self.per_round_at(concurrent))
+        return model + _positive(self.levels_and_rows(levels, rows, concurrent) + self.per_round_at(concurrent))
+
+    def levels_and_rows(self, levels: float | np.ndarray, rows: float | np.ndarray, concurrent: int) -> float | np.ndarray:
+        """What a round's levels and verified rows cost beyond the forwards: each of `concurrent` requests'
+        bookkeeping per level and per verified row (they take turns at it), and each level's lockstep cost."""
+        per_request = levels * self.overhead_per_depth + rows * self.overhead_per_row
+        return concurrent * per_request + levels * self.lockstep_at(concurrent)
 
     def lockstep_at(self, concurrent: int) -> float:
         """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
@@ -517,7 +521,7 @@ class Explored:
         return self._tokens[policy]
 
     def means(self, policies: list[TreePolicy], factors: list[float] | None = None) -> np.ndarray:
-        """[P] the mean of `tokens` of each of `policies`, at once and with the same arithmetic: a choice asks for the
+        """[P] the mean of `tokens` of each of `policies`, at once (`tokens` asks for one): a choice asks for the
         whole grid, and after each level correction the cache of `tokens` is cold (one policy at a time, that took
         8-13 ms, once in 4 steps of a batch of 8 on the 2-core machine)."""
         sums = [self._sums_of(policy) for policy in policies]
@@ -526,7 +530,7 @@ class Explored:
             return np.array([total for total, _, _ in sums]) / n
         depths = np.array([d for _, _, d in sums]).reshape(len(sums), -1)  # [P, D]
         accepted = np.zeros(len(sums))
-        for k, factor in enumerate(factors[: depths.shape[1]]):  # summed in `_mean`'s order, so each mean is the same
+        for k, factor in enumerate(factors[: depths.shape[1]]):  # depth by depth: a policy's mean whatever its batch
             accepted = accepted + factor * depths[:, k]
         return 1.0 + accepted / n
 
@@ -539,14 +543,12 @@ class Explored:
         return self._sums[policy]
 
     def _mean(self, policy: TreePolicy, factors: list[float] | None) -> tuple[float, float]:
-        """`tokens`, computed from the kept sums."""
-        total, squares, depths = self._sums_of(policy)
+        """`tokens`, computed from the kept sums (the mean as `means` computes it for many)."""
+        total, squares, _ = self._sums_of(policy)
         n = len(self.replays)
         mean = total / n
         spread = max(0.0, squares - n * mean * mean) / max(1, n - 1)
-        if factors is not None:
-            mean = 1.0 + sum(f * d for f, d in zip(factors, depths)) / n
-        return mean, spread / n
+        return float(self.means([policy], factors)[0]), spread / n
 
     def levels(self, policy: TreePolicy) -> list[tuple[float, float]]:
         """`Replay.levels` of `policy` averaged over these rounds (kept until the rounds change)."""
@@ -778,10 +780,8 @@ class TreeTuner:
         if concurrent not in costs.lockstep_per_level or len(samples) < LOCKSTEP_ROUNDS:
             return False
         first = concurrent not in costs.round_at_concurrency
-        lockstep, per_depth, per_row = costs.lockstep_at(concurrent), costs.overhead_per_depth, costs.overhead_per_row
         costs.round_at_concurrency[concurrent] = statistics.median(
-            beyond - concurrent * (drafted * per_depth + verified * per_row) - drafted * lockstep
-            for beyond, drafted, verified in samples
+            beyond - costs.levels_and_rows(drafted, verified, concurrent) for beyond, drafted, verified in samples
         )
         return first
 
