@@ -119,14 +119,22 @@ def bind_server(
         ],
     )
     register(server)
-    busy = OSError(f"port: {host_port(host, port)} is in use (another eyas serve?); choose another with --port")
-    if port and not _bindable(host, port):
-        raise busy  # found before gRPC tries, which would also log its own error line
+    check_port(host, port)  # found before gRPC tries, which would also log its own error line
     try:
         bound = server.add_insecure_port(host_port(host, port))
     except RuntimeError:
-        raise busy from None
+        raise _busy(host, port) from None
     return server, bound
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise `OSError` naming host:port if something holds it (port 0 always passes: the server picks one)."""
+    if port and not _bindable(host, port):
+        raise _busy(host, port)
+
+
+def _busy(host: str, port: int) -> OSError:
+    return OSError(f"port: {host_port(host, port)} is in use (another eyas serve?); choose another with --port")
 
 
 def _bindable(host: str, port: int) -> bool:

