@@ -67,7 +67,8 @@ class RemoteError(Exception):
 @dataclass
 class CallTiming:
     """Seconds of remote calls, split: wire transport, (de)serialization and receipt checks on both ends,
-    waiting for the worker's compute thread, waiting for batch-mates, and compute."""
+    waiting on the worker's threads (its compute thread to take the call, its event loop to take the finished call
+    back), waiting for each of its forwards to start (behind batch-mates' steps), and compute."""
 
     rpc: float = 0.0
     serialize: float = 0.0

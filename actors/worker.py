@@ -302,6 +302,8 @@ class Worker:
         for (_, key, _), (_, done), future in zip(admitted, turns, submitted):
             future.add_done_callback(ended(key, done))
         ops = await asyncio.gather(*(asyncio.wrap_future(future) for future in submitted))
+        for i, _, _ in admitted:  # since each call's operation ended: its batch-mates' ends, then this loop taking it up
+            clocks[i].lap("queue")
         for (i, _, _), op in zip(admitted, ops):
             clock = clocks[i]
             clock.move("compute", "batch", op.waited)
