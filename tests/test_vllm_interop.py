@@ -51,6 +51,12 @@ def prompts(demo: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def greedy(prompts) -> dict:
+    """The greedy run every engine of this module answers: each prompt, NEW_TOKENS tokens."""
+    return {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
 def exported(demo: Path, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm-drafters")
     return {name: export_for_vllm(demo / name, out / name, demo / "target") for name in DRAFTERS}
@@ -68,9 +74,8 @@ def served_eagle1(demo: Path, exported):
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(demo: Path, prompts, exported, served_eagle1) -> dict:
+def vllm_runs(demo: Path, greedy, exported, served_eagle1) -> dict:
     """Greedy runs: plain and EAGLE-3 as one-shot engines in one subprocess, EAGLE-1 on the kept-up engine."""
-    greedy = {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
     base = {**greedy, "target": str(demo / "target"), "enforce_eager": True}
     e = exported["eagle3"]
     eagle3 = {**base, "drafter": str(e.path), "method": e.method, "num_speculative_tokens": SPECULATIVE_TOKENS}
@@ -173,13 +178,12 @@ def test_vllm_acceptance_matches_eyas_chain(demo: Path, prompts, vllm_runs, draf
     assert vllm_length == pytest.approx(eyas_length, rel=0.1), message
 
 
-def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(prompts, vllm_runs, exported, served_eagle1):
+def test_a_served_engine_answers_many_runs_as_one_shot_jobs_do(prompts, greedy, vllm_runs, exported, served_eagle1):
     """The kept-up EAGLE-1 engine, after its greedy run, serves sampled runs, a bad run, greedy again and a
     concurrent run in turn: greedy output equals the one-shot plain engine's before and after, sampled runs
     sample, the bad run is refused with vLLM's reason while the engine stays up, and a concurrent run answers
     every prompt, timed together."""
     session = served_eagle1
-    greedy = {"prompts": prompts, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
     sampled = {**greedy, "temperature": 1.0, "seed": 7}
     assert session.facts["method"] == exported["eagle1"].method and session.facts["num_speculative_tokens"] == SPECULATIVE_TOKENS
     first, draws = vllm_runs["eagle1"], [session.run(sampled)["results"] for _ in range(2)]
