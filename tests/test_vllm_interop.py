@@ -62,24 +62,27 @@ def exported(demo: Path, tmp_path_factory) -> dict:
     return {name: export_for_vllm(demo / name, out / name, demo / "target") for name in DRAFTERS}
 
 
+def vllm_engine(demo: Path, drafter=None) -> dict:
+    """A vLLM engine on the demo target, plain or with an exported drafter as its EAGLE (eager: a faster start)."""
+    plain = {"target": str(demo / "target"), "enforce_eager": True}
+    if drafter is None:
+        return plain
+    speculative = {"drafter": str(drafter.path), "method": drafter.method, "num_speculative_tokens": SPECULATIVE_TOKENS}
+    return {**plain, **speculative}
+
+
 @pytest.fixture(scope="module")
 def served_eagle1(demo: Path, exported):
     """One EAGLE-1 engine kept up (as eyas bench keeps one per configuration), for the whole module."""
     assert ensure_vllm_python().exists()
-    e = exported["eagle1"]
-    engine = {"target": str(demo / "target"), "drafter": str(e.path), "method": e.method,
-              "num_speculative_tokens": SPECULATIVE_TOKENS, "enforce_eager": True}  # eager: a faster engine start
-    with VllmSession(engine) as session:
+    with VllmSession(vllm_engine(demo, exported["eagle1"])) as session:
         yield session
 
 
 @pytest.fixture(scope="module")
 def vllm_runs(demo: Path, greedy, exported, served_eagle1) -> dict:
     """Greedy runs: plain and EAGLE-3 as one-shot engines in one subprocess, EAGLE-1 on the kept-up engine."""
-    base = {**greedy, "target": str(demo / "target"), "enforce_eager": True}
-    e = exported["eagle3"]
-    eagle3 = {**base, "drafter": str(e.path), "method": e.method, "num_speculative_tokens": SPECULATIVE_TOKENS}
-    plain, eagle3_run = run_vllm([base, eagle3])
+    plain, eagle3_run = run_vllm([{**greedy, **vllm_engine(demo)}, {**greedy, **vllm_engine(demo, exported["eagle3"])}])
     return {"plain": plain, "eagle3": eagle3_run, "eagle1": served_eagle1.run(greedy)}
 
 
