@@ -10,6 +10,7 @@ from tests.helpers.tiny import make_drafter, make_target
 
 from eyas import Engine
 from eyas.drafters import CheckpointError, Eagle3Drafter, load_drafter, save_drafter
+from eyas.drafters.checkpoint import same_up_to_rounding
 from eyas.target import TargetModel
 
 EAGLE1_KEYS = {
@@ -123,16 +124,37 @@ def test_full_draft_vocabulary_may_omit_d2t(tmp_path, target_dir, target):
     assert drafter.to_target_ids(torch.tensor([5])).item() == 5
 
 
-def test_stored_embedding_must_equal_the_targets(tmp_path, target_dir, target):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+def test_a_stored_copy_of_the_targets_embedding_loads_in_any_dtype(tmp_path_factory, family, stored, draft_dtype):
+    """An official EAGLE-1 checkpoint stores the target's embedding (fp32, fp16 or bf16); it loads beside a float32
+    target whatever the drafter's dtype, since both are roundings of the same weights."""
+    root = tmp_path_factory.mktemp(f"{family}-{stored}-{draft_dtype}")
+    target_dir = make_target(root / "target", family)
+    drafter_dir = make_drafter(root / "d", target_dir, "eagle1", embedding=stored)
+    engine = Engine.from_pretrained(target_dir, drafter_dir, tree={"width": 2, "depth": 2, "budget": 4}, draft_dtype=draft_dtype)
+    assert engine.drafter.dtype == draft_dtype
+
+
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+def test_a_stored_embedding_that_is_not_the_targets_is_refused(tmp_path, target_dir, draft_dtype):
     d = make_drafter(tmp_path / "d", target_dir, "eagle1")
     w = weights_of(d)
-    w["embed_tokens.weight"] = target.embed.weight.detach().to(torch.bfloat16).clone()
+    reference = TargetModel.from_pretrained(target_dir).embed.weight.detach()
+    w["embed_tokens.weight"] = (reference * 1.02).to(torch.bfloat16)  # 2% off: beyond any rounding of bf16 or fp32
     rewrite(d, w)
-    load_drafter(d, target.embed, target.lm_head)  # a lower-precision copy of the same embedding is fine
-    w["embed_tokens.weight"] = target.embed.weight.detach().clone() + 0.01
-    rewrite(d, w)
-    with pytest.raises(CheckpointError, match="embed_tokens.weight differs from the target's embedding"):
-        load_drafter(d, target.embed, target.lm_head)
+    with pytest.raises(CheckpointError, match="embed_tokens.weight differs from the target's embedding beyond the rounding"):
+        Engine.from_pretrained(target_dir, d, draft_dtype=draft_dtype)
+
+
+def test_same_up_to_rounding_allows_one_unit_in_the_last_place_of_each_dtype():
+    x = torch.tensor([0.1, -3.0, 1e-3, 0.0])
+    for dtype in (torch.float16, torch.bfloat16):
+        assert same_up_to_rounding(x.to(dtype), x)
+        assert same_up_to_rounding(x.to(dtype), x.to(torch.bfloat16))
+    nudged = x.to(torch.bfloat16).float() * (1 + 4 * torch.finfo(torch.bfloat16).eps)
+    assert not same_up_to_rounding(nudged, x.to(torch.bfloat16))
 
 
 def test_fc_bias_against_a_bias_free_config_is_ignored_and_reported(tmp_path, target_dir, target):

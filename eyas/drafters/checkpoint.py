@@ -1,8 +1,9 @@
 """Drafter checkpoints in the official EAGLE layouts (docs/drafters.md#checkpoints): config.json + safetensors.
 
 Loading checks every key against the architecture the config describes and reports missing,
-unexpected and mis-shaped keys together; it refuses a reduced draft vocabulary without d2t and
-a stored embedding that differs from the target's. A `.bin` is read only with weights_only=True.
+unexpected and mis-shaped keys together; it refuses a reduced draft vocabulary without d2t and a
+stored embedding that differs from the target's beyond the rounding of the two dtypes. A `.bin` is
+read only with weights_only=True.
 """
 
 from __future__ import annotations
@@ -120,9 +121,12 @@ def load_drafter(path: str | Path, embed: torch.nn.Embedding, lm_head: torch.nn.
     problems += report.problems()
     problems += _check_target_shapes(drafter, embed, lm_head)
     if stored_embed is not None and stored_embed.shape == embed.weight.shape:
-        if not torch.equal(stored_embed, embed.weight.detach().to(stored_embed.dtype)):
-            diff = (stored_embed.float() - embed.weight.detach().float()).abs().max().item()
-            problems.append(f"{EMBED_KEY} differs from the target's embedding (max abs difference {diff:.3g})")
+        if not same_up_to_rounding(stored_embed, embed.weight.detach()):
+            diff = (stored_embed.double() - embed.weight.detach().double()).abs().max().item()
+            problems.append(
+                f"{EMBED_KEY} differs from the target's embedding beyond the rounding of {stored_embed.dtype} and "
+                f"{embed.weight.dtype} (max abs difference {diff:.3g})"
+            )
     elif stored_embed is not None:
         problems.append(f"{EMBED_KEY} has shape {tuple(stored_embed.shape)}, the target's is {tuple(embed.weight.shape)}")
     if problems:
@@ -130,6 +134,15 @@ def load_drafter(path: str | Path, embed: torch.nn.Embedding, lm_head: torch.nn.
     drafter.load_state_dict(weights)
     drafter.eval().requires_grad_(False)
     return drafter.bind_target(embed, lm_head), report
+
+
+def same_up_to_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two floating-point copies of one tensor agree within one unit in the last place of each one's dtype
+    (e.g. a float32 embedding stored with a drafter, and the target's bound in bfloat16)."""
+    scale = torch.maximum(a.double().abs(), b.double().abs())
+    ulps = torch.finfo(a.dtype).eps + torch.finfo(b.dtype).eps
+    tiny = torch.finfo(a.dtype).tiny + torch.finfo(b.dtype).tiny  # subnormals carry no relative precision
+    return bool(((a.double() - b.double()).abs() <= ulps * scale + tiny).all())
 
 
 def _complete_vocab_map(drafter: Eagle3Drafter, weights: dict[str, torch.Tensor], vocab_size: int) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eyas.drafters import build_drafter, drafter_config, save_drafter
@@ -47,9 +48,16 @@ def make_target(directory: Path, model_type: str = "llama", seed: int = 0, init_
 
 
 def make_drafter(
-    directory: Path, target_dir: Path, kind: str = "eagle1", seed: int = 1, std: float = 0.05, **overrides
+    directory: Path,
+    target_dir: Path,
+    kind: str = "eagle1",
+    seed: int = 1,
+    std: float = 0.05,
+    embedding: torch.dtype | None = None,
+    **overrides,
 ) -> Path:
-    """Save a random drafter of `kind` for the target in `target_dir`, with its manifest."""
+    """Save a random drafter of `kind` for the target in `target_dir`, with its manifest; `embedding` also stores a
+    copy of the target's embedding in that dtype (`embed_tokens.weight`, as official EAGLE-1 checkpoints do)."""
     target = TargetModel.from_pretrained(target_dir)
     address = FeatureAddress.eagle1() if kind == "eagle1" else FeatureAddress.eagle3(target.num_layers)
     torch.manual_seed(seed)
@@ -58,6 +66,10 @@ def make_drafter(
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=std)
     save_drafter(drafter, directory)
+    if embedding is not None:
+        weights = load_file(str(directory / "model.safetensors"))
+        weights["embed_tokens.weight"] = target.embed.weight.detach().to(embedding).contiguous()
+        save_file(weights, str(directory / "model.safetensors"))
     Manifest(target=target.fingerprint, feature=address, drafter_abi=DRAFTER_ABI[kind]).save(directory)
     return Path(directory)
 
