@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 DEMO_ROOT = Path(os.environ.get("EYAS_DEMO_MODELS", Path(__file__).resolve().parents[1] / "models" / "demo"))
-DEFAULT_DRAFTER = "eagle3"
+DEFAULT_DRAFTER = "eagle1"  # the bundled drafter models/demo/REPORT.md measures best
 
 
 def demo_model(name: str) -> Path:
