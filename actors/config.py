@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.autotree import EXPLORE
+from eyas.emulation import Profile, ProfileError, load_profile
 from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
 from eyas.tree import TreePolicy
@@ -89,6 +90,7 @@ class ServiceConfig:
 
     target: str | None = None
     drafter: str | None = None
+    emulate: str | None = None  # a cost profile (eyas.emulation): timed models stand in for both
     dtype: str = "auto"
     draft_dtype: str = "auto"
     feature_layers: tuple[int, ...] | None = None
@@ -121,7 +123,7 @@ class ServiceConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "ServiceConfig":
         sections = _take(data, "", {"models", "tree", "pools", "network", "service", "ray"})
-        models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "dtype", "draft_dtype", "feature_layers", "allow_manifest_mismatch"})
+        models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "emulate", "dtype", "draft_dtype", "feature_layers", "allow_manifest_mismatch"})
         pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
         network = _take(sections.get("network") or {}, "network.", {"host", "token"})
         service = _take(sections.get("service") or {}, "service.", {"max_active", "kv_slots", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
@@ -140,6 +142,7 @@ class ServiceConfig:
         config = cls(
             target=_path(models.get("target")),
             drafter=_path(models.get("drafter")),
+            emulate=models.get("emulate"),
             dtype=models.get("dtype", "auto"),
             draft_dtype=models.get("draft_dtype", "auto"),
             feature_layers=tuple(layers) if layers is not None else None,
@@ -161,6 +164,8 @@ class ServiceConfig:
                 raise ConfigError(f"models.{key}: {getattr(self, key)!r} is not auto or one of {sorted(DTYPES)}")
         self.draft_pool.check("draft")
         self.target_pool.check("target")
+        if self.emulation is not None and self.target_pool.tensor_parallel > 1:  # a bad profile is refused as it loads
+            raise ConfigError("pools.target.tensor_parallel: an emulated target is one worker (its profile prices the group)")
         if type(self.max_active) is not int or self.max_active < 1:
             raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
         if type(self.kv_slots) is not int or self.kv_slots < 1:
@@ -187,6 +192,16 @@ class ServiceConfig:
         """The configured token, else EYAS_TOKEN from the environment."""
         return self.token or os.environ.get("EYAS_TOKEN") or None
 
+    @property
+    def emulation(self) -> Profile | None:
+        """The cost profile of `models.emulate`, or None when the service runs real models."""
+        if self.emulate is None:
+            return None
+        try:
+            return load_profile(self.emulate)
+        except ProfileError as exc:
+            raise ConfigError(f"models.emulate: {exc}") from None
+
     def models(self) -> tuple[str, str]:
         """Absolute target and drafter directories (the bundled demo models when not configured)."""
         target = Path(self.target or demo_model("target")).resolve()
@@ -197,7 +212,7 @@ class ServiceConfig:
         return str(target), str(drafter)
 
     def worker_spec(self, pool: PoolConfig) -> WorkerSpec:
-        target, drafter = self.models()
+        target, drafter = ("", "") if self.emulate else self.models()
         return WorkerSpec(
             target=target,
             drafter=drafter,
@@ -211,10 +226,13 @@ class ServiceConfig:
             tensor_parallel=pool.tensor_parallel,
             draft_ahead=self.draft_ahead,
             kv_slots=self.kv_slots,
+            emulate=self.emulate,
         )
 
     def check_target_split(self) -> None:
         """Refuse a target group that would not split the target's heads, kv heads, experts or vocabulary evenly."""
+        if self.emulate:
+            return
         target, _ = self.models()
         config = AutoConfig.from_pretrained(target).get_text_config(decoder=True)
         try:

@@ -168,11 +168,12 @@ class Coordinator:
 
     def bring_up(self) -> None:
         """Start both pools in parallel and check that every worker serves the same manifest."""
-        target_dir, _ = self.config.models()
         log.info(
-            "starting %d draft and %d target worker(s)", self.config.draft_pool.replicas, self.config.target_pool.replicas
+            "starting %d draft and %d target worker(s)%s", self.config.draft_pool.replicas, self.config.target_pool.replicas,
+            f", emulated ({self.config.emulate})" if self.config.emulate else "",
         )
-        if Path(target_dir, "tokenizer_config.json").exists():
+        target_dir = None if self.config.emulate else self.config.models()[0]
+        if target_dir is not None and Path(target_dir, "tokenizer_config.json").exists():
             self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         for name, actor_class, pool_config in (
             ("draft", DraftWorker, self.config.draft_pool),
@@ -195,7 +196,7 @@ class Coordinator:
                 pool.stop()
             raise PoolError(f"manifest_id: draft and target workers disagree on the manifest ({sorted(manifests)})")
         self.manifest_id = manifests.pop()
-        stored = Manifest.load(self.config.models()[1])
+        stored = None if self.config.emulate else Manifest.load(self.config.models()[1])
         self.manifest = stored.to_dict() if stored is not None and stored.id == self.manifest_id else None
         for pool in self.pools.values():
             pool.manifest_id = self.manifest_id

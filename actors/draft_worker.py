@@ -18,6 +18,7 @@ import torch
 from eyas import wire
 from eyas.autotree import measure_draft
 from eyas.drafters import load_drafter
+from eyas.emulation import EmulatedDevice, SyntheticDrafter, emulated_manifest, load_profile
 from eyas.errors import VersionError
 from eyas.manifest import fingerprint_target
 from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
@@ -42,6 +43,18 @@ class DraftWorker(Worker):
 
     def load(self) -> None:
         spec = self.spec
+        if spec.emulate:
+            profile = load_profile(spec.emulate)
+            self.manifest = emulated_manifest(profile)
+            self.drafter = SyntheticDrafter(profile.law, profile.draft, EmulatedDevice())
+            self.vocab_size, self.feature_width, self.max_positions = profile.law.vocab, profile.feature_width, profile.max_positions
+        else:
+            self._load_drafter()
+        self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, spec.draft_ahead, self._draft_ahead)
+
+    def _load_drafter(self) -> None:
+        """The drafter checkpoint, bound to the target's embedding and LM head (only those of the target are read)."""
+        spec = self.spec
         plan = plan_drafter(spec.drafter, target_num_layers(spec.target), spec.feature_layers)
         config = json.loads(Path(spec.target, "config.json").read_text())
         self.manifest = plan.manifest(fingerprint_target(spec.target, config), spec.allow_manifest_mismatch)
@@ -53,7 +66,6 @@ class DraftWorker(Worker):
         self.vocab_size = int(embed.weight.shape[0])
         self.feature_width = self.manifest.feature.width(int(embed.weight.shape[1]))
         self.max_positions = int((config.get("text_config") or config).get("max_position_embeddings", 0))
-        self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, spec.draft_ahead, self._draft_ahead)
 
     def _draft_ahead(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
         """A session's drafting ahead runs on the compute thread in the steps no call waits for, while it is a guess

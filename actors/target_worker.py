@@ -27,6 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from eyas import wire
 from eyas.autotree import measure_verify
+from eyas.emulation import EmulatedDevice, TimedTarget, emulated_manifest, load_profile
 from eyas.request import eos_token_ids
 from eyas.errors import VersionError
 from eyas.pairing import plan_drafter, target_num_layers
@@ -147,11 +148,16 @@ class TargetWorker(Worker):
 
     def load(self) -> None:
         spec = self.spec
-        shard = Shard()
-        if spec.tensor_parallel > 1:
-            shard = join_group("", 0, 0, spec.tensor_parallel, self.device, GROUP_TIMEOUT, self._store)
-        self.model, plan = load_target(spec, self.device, shard)
-        self.manifest = plan.manifest(self.model.fingerprint, spec.allow_manifest_mismatch)
+        if spec.emulate:
+            profile = load_profile(spec.emulate)
+            self.model = TimedTarget(profile, EmulatedDevice(), kv_slots=spec.kv_slots)
+            self.manifest = emulated_manifest(profile)
+        else:
+            shard = Shard()
+            if spec.tensor_parallel > 1:
+                shard = join_group("", 0, 0, spec.tensor_parallel, self.device, GROUP_TIMEOUT, self._store)
+            self.model, plan = load_target(spec, self.device, shard)
+            self.manifest = plan.manifest(self.model.fingerprint, spec.allow_manifest_mismatch)
         self.vocab_size = self.model.vocab_size
         self.feature_width = self.model.feature_width
         self.max_positions = self.model.max_seq_len

@@ -55,6 +55,7 @@ class WorkerSpec:
     max_concurrency: int = 64  # calls a worker runs (and batches) at once; later ones wait in arrival order
     kv_slots: int = 16  # sessions one worker's KV pool holds at once
     tensor_parallel: int = 1  # ranks of a target group (docs/groups.md)
+    emulate: str | None = None  # a cost profile: timed models stand in for the target and the drafter (eyas.emulation)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from .autotree import TreeTuner, measure_costs
 from .drafters import Drafter, load_drafter
+from .emulation import EmulatedDevice, Profile, SyntheticDrafter, TimedTarget, emulated_manifest, load_profile
 from .errors import RequestError
 from .manifest import Manifest
 from .pairing import plan_drafter, target_num_layers
@@ -145,6 +146,24 @@ class Engine:
         embed, lm_head = target_model.embed.to(dtype=draft_dtype), target_model.lm_head.to(dtype=draft_dtype)
         drafter_model, _ = load_drafter(drafter, embed, lm_head)
         return cls(target_model, drafter_model.to(device=device, dtype=draft_dtype), manifest, tree, draft_ahead, graphs)
+
+    @classmethod
+    def emulated(
+        cls,
+        profile: Profile | str,
+        tree: TreePolicy | dict | str | None = "auto",
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        max_seq_len: int | None = None,
+        draft_ahead: int = 0,
+    ) -> "Engine":
+        """The timed models of an emulated deployment (`eyas.emulation`, a profile or its name), in one process: the
+        target and the drafter share one device, the drafter stepping at the profile's co-located cost. Token-id
+        prompts only (no tokenizer); for benchmarks and capacity planning, never for exactness."""
+        profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        device = EmulatedDevice()
+        target = TimedTarget(profile, device, kv_slots, max_seq_len)
+        drafter = SyntheticDrafter(profile.law, profile.draft_colocated, device)
+        return cls(target, drafter, emulated_manifest(profile), tree, draft_ahead, graphs=False)
 
     def sessions(self, request: RequestState, wait: bool = False) -> tuple[TargetSession, DraftSession]:
         """A target and a draft session for `request`, each holding a KV slot (waiting for one when `wait`)."""
