@@ -530,5 +530,6 @@ class Coordinator:
                 "service_seconds": dict(self.service_seconds),
                 "metrics_address": self.metrics_address,
                 "ray_address": self.ray_address,
+                "emulation": self.config.emulate or "",
                 "metrics": self.metrics.snapshot(),
             }

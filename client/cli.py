@@ -330,7 +330,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def format_status(status: dict) -> str:
-    lines = [
+    lines = [f"EMULATION: timed models of profile {status['emulation']!r} (docs/emulation.md)"] if status.get("emulation") else []
+    lines += [
         f"manifest {status['manifest_id']}  requests: {status['active']} active, {status['queued']} queued, "
         f"{status['completed']} completed, {status['failed']} failed  tokens {status['tokens']}  "
         f"tokens/forward {status['mean_accept_length']:.2f}"

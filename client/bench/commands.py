@@ -128,7 +128,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
     service = kinds.add_parser("service", help="service overhead per round and concurrency", description=cmd_service.__doc__)
     service.add_argument("--target", help="target directory (default: the bundled demo target)")
-    service.add_argument("--drafter", help="drafter directory (default: the bundled demo EAGLE-3 drafter)")
+    service.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
     service.add_argument("--requests", type=int, default=8, help="requests, also the concurrency of the second run")
     service.add_argument("--prompt-tokens", type=int, default=32)
     service.add_argument("--max-new-tokens", type=int, default=64)
@@ -141,6 +141,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--tree", help="the tree of every request: auto, or width,depth,budget (default: the service config's, auto)")
     service.add_argument("--vllm-eagle", action="store_true", help="also run vLLM-CPU's EAGLE (demo EAGLE-1 drafter) on the same prompts, one at a time and all at once")
     service.add_argument("--vllm-k", type=int, help="vLLM EAGLE drafts per step (default: the last peers scan's best, else 3)")
+    service.add_argument("--emulate", metavar="PROFILE", help="timed models of an emulated deployment instead of real ones, in process and in the workers: null, h200-1b, 70b-tp4 or a profile file (docs/emulation.md); every figure is then emulation")
+    service.add_argument("--concurrency", type=row_counts, help="also n requests at once through the service against generate_batch of n, for each n of a list (e.g. 1,8,64)")
     service.add_argument("--json", help="where the JSON record goes (default: stdout)")
     service.set_defaults(func=cmd_service)
 

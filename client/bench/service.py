@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -26,6 +27,7 @@ from eyas.actors.config import PoolConfig, ServiceConfig
 from eyas.assets import demo_model
 from eyas.client.client import Client
 from eyas.cluster.service import Service
+from eyas.emulation import load_profile
 from eyas.engine import Engine
 from eyas.tree import TreePolicy
 
@@ -143,10 +145,11 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
         n0, calls0, seconds0 = counted[pool]
         forwards[pool] = {"calls_per_forward": (calls - calls0) / max(1, n - n0), "forward_busy_fraction": (seconds - seconds0) / wall}
     tokens_per_s = sum(len(r.token_ids) for r in results) / wall
+    request_rounds_per_s = sum(r.stats["rounds"] for r in results) / wall
     latency = dict(zip(("p50", "p99"), percentiles(latencies, (50, 99))))
     rounds = sum(r.stats["rounds"] for r in results)
     split = {p: 1e3 * sum(r.stats["service_seconds"][p] for r in results) / rounds for p in SERVICE_PHASES}
-    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "busy": busy, "forwards": forwards,
+    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "request_rounds_per_s": request_rounds_per_s, "busy": busy, "forwards": forwards,
             "cores": cores, "latency_s": latency, "breakdown_ms_per_round": split}
 
 
@@ -194,16 +197,50 @@ def vllm_eagle(target: str, prompts: list[list[int]], max_new_tokens: int, k: in
             f"{len(prompts)}_concurrent_tokens_per_s": statistics.median(many)}
 
 
+def concurrency_curve(engine: Engine, client: Client, sizes: tuple[int, ...], args: argparse.Namespace) -> list[dict]:
+    """For each size n: n requests through the service at once against `generate_batch` of the same n in process,
+    as request-rounds per second (rounds every request completed, over the wall time)."""
+    curve = []
+    for n in sizes:
+        prompts = prompts_for(engine, n, args.prompt_tokens, args.seed + n, None)
+        started = time.perf_counter()
+        local = engine.generate_batch(prompts, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+        local_wall = time.perf_counter() - started
+        remote = concurrently(client, prompts, args.max_new_tokens)
+        local_rate = sum(g.stats.rounds for g in local) / local_wall
+        curve.append({
+            "concurrent": n,
+            "in_process_request_rounds_per_s": local_rate,
+            "service_request_rounds_per_s": remote["request_rounds_per_s"],
+            "service_over_in_process": remote["request_rounds_per_s"] / local_rate,
+            "in_process_tokens_per_s": sum(len(g.token_ids) for g in local) / local_wall,
+            "service_tokens_per_s": remote["tokens_per_s"],
+            "identical_outputs": remote["outputs"] == [g.token_ids for g in local],
+            "service_breakdown_ms_per_round": remote["breakdown_ms_per_round"],
+        })
+    return curve
+
+
 def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
-
-    config = ServiceConfig.load(None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead)
+    profile = load_profile(args.emulate) if args.emulate else None
+    slots = max(args.requests, *(args.concurrency or ()), ServiceConfig.kv_slots)
+    config = ServiceConfig.load(
+        None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead, emulate=args.emulate, kv_slots=slots,
+        max_active=slots,
+    )
     if args.tree and args.tree != "auto":
         config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
-    target, drafter = config.models()
     torch.set_num_threads(1)  # as each worker runs
-    engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
-    ahead_off = Engine.from_pretrained(target, drafter, tree=config.tree) if args.draft_ahead else None
+    if profile is not None:
+        print(f"EMULATION: timed models of profile {profile.name!r} ({profile.description}; docs/emulation.md)", file=sys.stderr)
+        target = drafter = f"emulated: {profile.name}"
+        emulated = lambda ahead: Engine.emulated(profile, tree=config.tree, kv_slots=slots, draft_ahead=ahead)
+        engine, ahead_off = emulated(args.draft_ahead), emulated(0) if args.draft_ahead else None
+    else:
+        target, drafter = config.models()
+        engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
+        ahead_off = Engine.from_pretrained(target, drafter, tree=config.tree) if args.draft_ahead else None
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
     workers = args.draft_workers + args.target_workers
     config = replace(
@@ -212,13 +249,15 @@ def run(args: argparse.Namespace) -> dict:
         target_pool=PoolConfig(replicas=args.target_workers, num_cpus=1, threads=1),
         ray_num_cpus=max(workers, os.cpu_count() or 1),  # logical CPUs: every worker gets its bundle
     )
-    sequential, parallel = [], []
+    sequential, parallel, curve = [], [], []
     with Service(config, port=0) as service, Client(service.address) as client:
         engine.generate(prompts[0], max_new_tokens=8)  # warm-up both paths
         client.generate(prompts[0], max_new_tokens=8)
         for _ in range(args.repeats):
             sequential.append(one_at_a_time(engine, client, prompts, args.max_new_tokens, ahead_off))
             parallel.append(concurrently(client, prompts, args.max_new_tokens))
+        if args.concurrency:
+            curve = concurrency_curve(engine, client, args.concurrency, args)
         service_tree = client.status().get("tree_chosen")
 
     def median(runs: list[dict], *keys: str) -> float:
@@ -232,6 +271,7 @@ def run(args: argparse.Namespace) -> dict:
     local_ms, service_ms = median(sequential, "in_process_ms_per_round"), median(sequential, "service_ms_per_round")
     one, many = median(sequential, "service_tokens_per_s"), median(parallel, "tokens_per_s")
     record = {
+        "emulation": profile.summary() if profile is not None else None,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
         "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
         "trees_chosen": {  # under auto: the service's choice per concurrency, and the in-process engine's for one request
@@ -278,6 +318,8 @@ def run(args: argparse.Namespace) -> dict:
             "concurrent_breakdown_ms_per_round": {p: median(parallel, "breakdown_ms_per_round", p) for p in SERVICE_PHASES},
         },
     }
+    if curve:
+        record["concurrency_curve"] = curve
     if ahead_off is not None:
         off_ms = median(sequential, "in_process_ahead_off_ms_per_round")
         record["one_at_a_time"]["in_process_ahead_off_ms_per_round"] = off_ms

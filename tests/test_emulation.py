@@ -1,0 +1,136 @@
+"""Emulated accelerators: the cost profiles, the synthetic law the timed models follow, and their timing contract.
+
+The law is tested statistically: each check's false-alarm rate under the law is stated (two-sided z bound of 4.4,
+about 1e-5 per check), so a benchmark that relies on the law cannot drift from it silently.
+"""
+
+import math
+import random
+import time
+
+import pytest
+import torch
+
+from eyas import Engine
+from eyas.emulation import EmulatedDevice, ProfileError, load_profile
+from eyas.emulation.law import draft_candidates, target_logits
+from eyas.emulation.profile import profile_from_dict
+from eyas.emulation.timed import TimedTarget
+
+Z = 4.4  # two-sided normal bound: a false alarm about once in 1e5 checks
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1024) for _ in range(length)] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.emulated("null", tree={"width": 4, "depth": 4, "budget": 12})
+
+
+def test_bundled_profiles_load_and_name_their_sources():
+    for name in ("null", "h200-1b", "70b-tp4"):
+        profile = load_profile(name)
+        assert profile.name == name and profile.sources.startswith("docs/emulation.md#")
+        assert profile.summary()["emulation"] is True
+    assert load_profile("null").target.seconds(64, [512]) == 0.0
+    tp4 = load_profile("70b-tp4")
+    assert tp4.target.seconds(1, [100]) == pytest.approx(tp4.target.seconds(64, [100]))  # memory-bound below the knee
+    assert tp4.target.seconds(1000, [100]) > tp4.target.seconds(240, [100])
+    assert tp4.draft_colocated.fixed_ms < tp4.draft.fixed_ms
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"draft": {}, "target": {"fixed_ms": 1, "speed": 2}}, "target.speed"),
+        ({"draft": {}, "target": {"fixed_ms": -1}}, "target.fixed_ms"),
+        ({"target": {}}, "draft"),
+        ({"draft": {}, "target": {}, "law": {"agree": [0.9, 0.2]}}, "law.agree"),
+        ({"draft": {}, "target": {}, "law": {"vocab": 10}}, "law.vocab"),
+        ({"draft": {}, "target": {}, "features": {"dtype": "int8"}}, "features.dtype"),
+        ({"draft": {}, "target": {}, "gpu": "h100"}, "gpu"),
+    ],
+)
+def test_a_malformed_profile_is_refused_naming_the_key(data, field):
+    with pytest.raises(ProfileError, match=f"^{field}"):
+        profile_from_dict(data)
+
+
+def test_an_unknown_profile_names_the_bundled_ones():
+    with pytest.raises(ProfileError, match="bundled: 70b-tp4, h200-1b, null"):
+        load_profile("h100-8x")
+
+
+def test_the_drafter_ranks_the_targets_top_token_at_the_laws_rates():
+    law = load_profile("null").law
+    hashes = torch.randint(0, 1 << 24, (40_000,), generator=torch.Generator().manual_seed(0))
+    top = target_logits(hashes, law).argmax(-1)
+    ids, probs = draft_candidates(hashes, law, 4)
+    assert bool((probs > 0).all()) and bool((probs.sum(-1) <= 1 + 1e-12).all()) and bool((probs[:, :-1] >= probs[:, 1:]).all())
+    for rank, rate in enumerate(law.agree):
+        observed = (ids[:, rank] == top).double().mean().item()
+        assert abs(observed - rate) <= Z * math.sqrt(rate * (1 - rate) / len(hashes)), (rank, observed, rate)
+
+
+def test_a_chain_accepts_each_level_at_the_laws_rate(engine):
+    """Greedy chains of depth 4: the accepted length of a round is geometric in the law's agreement, cut at 4."""
+    a, depth = load_profile("null").law.agree[0], 4
+    accepted = []
+    for prompt in prompts(6, 24, seed=11):
+        gen = engine.generate(prompt, max_new_tokens=200, tree={"width": 1, "depth": depth, "budget": depth})
+        accepted += [k for k, n in enumerate(gen.stats.accepted_length_histogram) for _ in range(n)]
+    expected = sum(a**k for k in range(1, depth + 1))
+    variance = sum((2 * k - 1) * a**k for k in range(1, depth + 1)) - expected**2  # E[L^2] - E[L]^2
+    mean = sum(accepted) / len(accepted)
+    assert abs(mean - expected) <= Z * math.sqrt(variance / len(accepted)), (mean, expected, len(accepted))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculation_over_timed_models_decodes_the_synthetic_targets_own_text(engine, temperature):
+    """Greedy and seeded sampling: speculative output equals plain decoding of the synthetic target, and a request's
+    output is the same in a batch (the law keys every row on its own context)."""
+    batch = prompts(4, 20, seed=3)
+    alone = [engine.generate(p, max_new_tokens=48, temperature=temperature, seed=i).token_ids for i, p in enumerate(batch)]
+    plain = [engine.generate(p, max_new_tokens=48, temperature=temperature, seed=i, speculate=False).token_ids for i, p in enumerate(batch)]
+    together = engine.generate_batch(batch, max_new_tokens=48, temperature=temperature, seed=list(range(4)))
+    assert alone == plain == [g.token_ids for g in together]
+
+
+def test_a_held_device_waits_without_the_cpu():
+    device = EmulatedDevice()
+    wall, cpu = time.perf_counter(), time.process_time()
+    with device.hold(0.2):
+        pass
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert wall >= 0.2 and cpu < 0.05 and device.busy_seconds >= 0.2
+
+
+def test_a_timed_forward_takes_its_profiles_time():
+    profile = profile_from_dict({"target": {"fixed_ms": 40, "knee_rows": 8, "row_ms": 1}, "draft": {}})
+    target = TimedTarget(profile, EmulatedDevice(), kv_slots=1)
+    slot = target.pool.acquire(64)
+    tokens = torch.arange(24)
+    call = target.call(slot, 0, tokens, torch.arange(24), torch.ones(24, 24, dtype=torch.bool).tril())
+    started = time.perf_counter()
+    (out,) = target.run([call])
+    assert time.perf_counter() - started >= (40 + 16) / 1000  # 24 rows: 16 past the knee
+    assert out.logits.shape == (24, profile.law.vocab) and out.features.shape == (24, profile.feature_width)
+    assert out.features.dtype == torch.bfloat16
+
+
+def test_tree_rows_score_as_their_paths_would_alone(engine):
+    """A row's outputs depend on its own path only: siblings, and the rows of other requests, change nothing."""
+    target = engine.target
+    slot = target.pool.acquire(64)
+    prefix = torch.tensor([5, 6, 7, 8, 9])
+    target.run([target.call(slot, 0, prefix, torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril(), with_logits=False)])
+    # a tree: root 10, children 11 and 12, and 13 under 12
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    (tree,) = target.run([target.call(slot, 5, torch.tensor([10, 11, 12, 13]), torch.tensor([5, 6, 6, 7]), mask)])
+    (chain,) = target.run([target.call(slot, 5, torch.tensor([10, 12, 13]), torch.tensor([5, 6, 7]), torch.ones(3, 3, dtype=torch.bool).tril())])
+    assert torch.equal(tree.logits[[0, 2, 3]], chain.logits)
+    assert not torch.equal(tree.logits[1], tree.logits[2])
+    target.pool.release(slot)
