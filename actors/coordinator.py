@@ -3,7 +3,7 @@
 Each admitted request is placed on its own thread; its rounds run on the round driver
 (`actors.driver`), which sends the calls waiting for a worker as one Batch call, so that one group
 of requests drafts while another verifies. A request's rounds are the engine's own `start` /
-`round_steps` (with its publish transaction) over `RemoteDraft` / `RemoteTarget`. Routing is
+`round_steps` (with its publish transaction) over a `RemoteRequest` (both sessions, one Round call a round). Routing is
 sticky: a request keeps its draft and target worker until one is lost or retiring; then its caches
 are rebuilt elsewhere from the committed tokens with `start`. Tokens reach the client only after
 `RequestState.commit`, and a failed round commits nothing, so no committed token is lost or repeated
@@ -50,7 +50,7 @@ from .frontdoor import FrontDoor
 from .job import DEFAULT_MAX_NEW_TOKENS, SERVICE_PHASES, Chunk, Job
 from .limits import check_id, check_prompt_text, check_stop
 from .metrics import ServiceMetrics
-from .proxy import RemoteDraft, RemoteTarget, SessionLost, WorkerLost
+from .proxy import RemoteRequest, SessionLost, WorkerLost
 from .routing import Member, PoolError, PoolFactory, WorkerPool
 from .server import advertised_address
 from .target_worker import TargetWorker
@@ -312,7 +312,7 @@ class Coordinator:
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "service", "the service stopped before the request finished")
                     job.state.finish_reason = "cancelled"
                     break
-                if job.draft_session is None:
+                if job.session is None:
                     t0 = time.perf_counter()
                     self._place(job)
                     job.stats.add_prefill(time.perf_counter() - t0)
@@ -321,7 +321,7 @@ class Coordinator:
                     self._rebuild(job, None)
                     continue
                 try:
-                    self.rounds.run(self._rounds(job), (job.draft.client, job.target.client))
+                    self.rounds.run(self._rounds(job), (job.draft.client,))
                 except (WorkerLost, SessionLost) as lost:
                     self._rebuild(job, lost)
         except Exception as exc:
@@ -341,13 +341,13 @@ class Coordinator:
             job.timing.reset()
             concurrent = self._stepping_together()
             policy = job.policy or self._auto_policy(concurrent)
-            record = yield from round_steps(job.state, job.draft_session, job.target_session, policy)
+            record = yield from round_steps(job.state, job.session, job.session, policy)
             if job.policy is None:
                 self._observe(job, record, concurrent)
             job.stats.add_round(record)
             self.metrics.observe_round(record, job.timing.as_dict(), self.running)
             if job.recorder is not None:
-                job.recorder.round(record, *verify_exchange(*job.target_session.exchange), job.timing.as_dict())
+                job.recorder.round(record, *verify_exchange(*job.session.exchange), job.timing.as_dict())
             self._emit(job, record.emitted)
             self._account(job, time.perf_counter() - t0)
 
@@ -361,11 +361,11 @@ class Coordinator:
         batch-mates' among them, and seconds), which the tuner sets against the measured curves (warm and alone
         there; inside rounds the other model has evicted their weights), as the engine feeds it every forward."""
         with self._tuner_lock:
-            self.tuner.observe(record, concurrent, 0.0 if record.pre_built else job.draft_session.off_worker)
-            for rows, seconds in job.target_session.forwards:
+            self.tuner.observe(record, concurrent, 0.0 if record.pre_built else job.session.off_worker)
+            for rows, seconds in job.session.target_forwards:
                 self.tuner.costs.observe("verify", rows, seconds)
             if not record.pre_built:  # a tree drafted ahead computed beside the last verification
-                for rows, seconds in job.draft_session.forwards:
+                for rows, seconds in job.session.draft_forwards:
                     self.tuner.costs.observe("draft", rows, seconds)
 
     def _auto_policy(self, concurrent: int) -> TreePolicy:
@@ -381,7 +381,7 @@ class Coordinator:
                         self.pools[member.client.role].lost(member)
             self._route(job)
             try:
-                start(job.state, job.draft_session, job.target_session)
+                start(job.state, job.session, job.session)
                 return
             except (WorkerLost, SessionLost) as exc:
                 lost = exc
@@ -393,24 +393,24 @@ class Coordinator:
         """Keep each ready worker (dropping its old session), replace any other with the least-loaded one."""
         for side in ("draft", "target"):
             member: Member | None = getattr(job, side)
-            session = getattr(job, f"{side}_session")
             if member is not None and member.state == "ready":
-                if session is not None:
-                    session.release()
+                if job.session is not None:
+                    job.session.release(side)
                 continue
             pool = self.pools[side]
             if member is not None:
-                if member.state == "retiring" and session is not None:
-                    session.release()  # the worker lives on until its last request has moved
+                if member.state == "retiring" and job.session is not None:
+                    job.session.release(side)  # the worker lives on until its last request has moved
                 pool.release(member)
             try:
                 setattr(job, side, pool.acquire())
             except PoolError as exc:
                 setattr(job, side, None)
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"pools.{side}", str(exc)) from None
-        args = (job.request_id, self.manifest_id, job.timing, self.vocab_size)
-        job.draft_session = RemoteDraft(job.draft.client, *args)
-        job.target_session = RemoteTarget(job.target.client, *args, self.feature_width, keep_wire=job.recorder is not None)
+        job.session = RemoteRequest(
+            job.draft.client, job.target.client, job.request_id, self.manifest_id, job.timing, self.vocab_size,
+            self.feature_width, job.state.sampling,
+        )
 
     def _rebuild(self, job: Job, lost: Exception | None) -> None:
         """Move a request whose worker was lost or is retiring; bounded by service.max_rebuilds."""
@@ -441,10 +441,10 @@ class Coordinator:
     def _close(self, job: Job) -> None:
         """Free the request's caches on its workers and drop it from the request table."""
         for side in ("draft", "target"):
-            session, member = getattr(job, f"{side}_session"), getattr(job, side)
-            if session is not None:
+            member = getattr(job, side)
+            if job.session is not None:
                 try:
-                    session.release()
+                    job.session.release(side)
                 except Exception:  # the request is over either way; a worker that lost the session frees it when it goes
                     log.warning("%s: could not free its %s session", job.request_id, side, exc_info=True)
             if member is not None:

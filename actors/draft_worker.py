@@ -1,19 +1,23 @@
 """The draft worker: drafter weights (plus only the target's embedding and LM head) and draft KV per request.
 
-Serves Start (seed a session from a prefill), Draft (the next EAGLE-2 tree, after applying a
-carried Reseed) and Reseed. Sessions are `eyas.proposer.DraftSession`s: the worker adds receipt
-checks in front of them so that a rejected message changes no state.
+Serves Start (seed a session from a prefill), Round (apply the coordinator's word on the last round, draft the next
+EAGLE-2 tree, send it on to the request's target worker and answer with its verification) and Reseed. Sessions are
+`eyas.proposer.DraftSession`s: the worker adds receipt checks in front of them so that a rejected message changes no
+state.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from eyas import wire
 from eyas.autotree import measure_draft
@@ -26,12 +30,39 @@ from eyas.runtime.device import resolve_draft_dtype, resolve_dtype, stored_dtype
 from eyas.proposer import DraftModel, DraftSession
 from eyas.runtime.batch import Operation
 from eyas.steps import Steps
-from eyas.tree import TreeError
+from eyas.rpc import call_metadata
+from eyas.tree import FlattenedTree, TreeError
 from eyas.v1 import round_pb2 as pb
+from eyas.v1 import tensor_pb2 as tpb
 
-from .errors import ServiceError
-from .server import Clock
-from .worker import Worker
+from .errors import STATUS_CODES, ServiceError
+from .limits import MAX_ID_BYTES, MAX_ROUND_ID_BYTES
+from .server import WORKER_MESSAGE_BYTES, Clock
+from .worker import Served, Worker
+
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass
+class Drafted:
+    """A Round's tree, drafted and on its way to the target: the bytes sent, and what the reply will carry."""
+
+    ref: tpb.RequestRef
+    target: str
+    tree: FlattenedTree
+    verify_request: bytes
+    proposal: pb.Proposal
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A verification this worker relayed: what the coordinator's word on its round may publish."""
+
+    round_id: str
+    version: int
+    accepted_rows: tuple[int, ...]
+    tokens: tuple[int, ...]  # the accepted tokens, then the frontier token
+    features: torch.Tensor  # [len(accepted_rows), F]
 
 
 class DraftWorker(Worker):
@@ -39,7 +70,16 @@ class DraftWorker(Worker):
 
     role = "draft"
     service = "DraftWorker"
-    batched = ("Draft",)
+    batched = ("Round",)
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.relayed: dict[str, Relayed] = {}  # request id -> the last verification relayed for it
+        self._targets: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}  # target address -> its Batch method
+        self._credential = call_metadata(spec.token)
+
+    def forget(self, request_id: str) -> None:
+        self.relayed.pop(request_id, None)
 
     def load(self) -> None:
         spec = self.spec
@@ -94,7 +134,7 @@ class DraftWorker(Worker):
             session.interrupt_ahead()
 
     def endpoints(self) -> dict:
-        return {"Start": (pb.DraftStart, self.start_session), "Draft": (pb.DraftRequest, self.draft), "Reseed": (pb.Reseed, self.reseed)}
+        return {"Start": (pb.DraftStart, self.start_session), "Round": (pb.RoundRequest, self.round), "Reseed": (pb.Reseed, self.reseed)}
 
     def measure(self) -> tuple[list[int], list[float]]:
         return measure_draft(self.model)
@@ -126,35 +166,117 @@ class DraftWorker(Worker):
         clock.lap("compute")
         return pb.Ack(ref=msg.ref)
 
-    def draft(self, msg: pb.DraftRequest, clock: Clock) -> Steps[pb.Proposal]:
-        """Apply the carried reseed (if any), then propose the tree that builds on msg.ref.version."""
-        session = self.session(msg.ref)
-        if msg.HasField("assumed"):
-            raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "assumed", "this worker does not draft ahead yet")
-        if not msg.HasField("policy"):
-            raise wire.WireError("policy", "is missing")
-        policy = wire.policy_from_proto(msg.policy)
-        self.check_policy(policy)
-        root = self.check_tokens([msg.root_token], "root_token")[0]
-        expected = session.version
-        reseed = None
-        if msg.HasField("reseed"):
-            self.same_request(msg.ref, msg.reseed.ref, "reseed.ref")
-            features, tokens = self._features(msg.reseed, "reseed.")
-            reseed = (msg.reseed.ref.version, features, tokens)
-            expected = msg.reseed.ref.version + 1
-            if tokens[-1:] != [root]:
-                raise TreeError("root_token", f"{root} is not the last reseeded token {tokens[-1:]}")
-        if msg.ref.version != expected:
-            raise VersionError("draft cache", expected, msg.ref.version)
+    def round(self, msg: pb.RoundRequest, clock: Clock) -> Steps[Drafted]:
+        """Apply the coordinator's word on the previous round (a reseed from the verification this worker relayed),
+        then draft the tree that builds on msg.draft.ref.version; `relay` sends it on to the target."""
+        ask = msg.draft
+        session = self.session(ask.ref)
+        if ask.HasField("assumed"):
+            raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "draft.assumed", "this worker does not draft ahead for an assumed outcome")
+        if not ask.HasField("policy"):
+            raise wire.WireError("draft.policy", "is missing")
+        policy = wire.policy_from_proto(ask.policy)
+        self.check_policy(policy, "draft.policy.")
+        root = self.check_tokens([ask.root_token], "draft.root_token")[0]
+        if not msg.round_id or len(msg.round_id.encode()) > MAX_ROUND_ID_BYTES:
+            raise wire.WireError("round_id", f"must be 1 to {MAX_ROUND_ID_BYTES} bytes")
+        if not msg.target or len(msg.target) > MAX_ID_BYTES:
+            raise wire.WireError("target", f"must name the request's target worker in 1 to {MAX_ID_BYTES} bytes")
+        wire.sampling_from_proto(msg.sampling)  # refused here, before anything changes
+        expected, reseed, commit = session.version, None, None
+        if msg.HasField("publish"):
+            reseed, commit = self._published(ask.ref, msg.publish, root)
+            expected = msg.publish.ref.version + 1
+        if ask.ref.version != expected:
+            raise VersionError("draft cache", expected, ask.ref.version)
         clock.lap("decode")
         if reseed is not None:
             session.reseed(*reseed)
-        proposal = yield from session.propose_steps(msg.ref.version, root, policy)
+        proposal = yield from session.propose_steps(ask.ref.version, root, policy)
         clock.lap("compute")
-        reply = wire.proposal_to_proto(proposal, msg.ref, msg.with_records)
+        verify = pb.VerifyRequest(
+            ref=ask.ref, tree=wire.proposed_tree_to_proto(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
+        )
+        drafted = Drafted(ask.ref, msg.target, proposal.tree, verify.SerializeToString(), wire.proposal_to_proto(proposal, ask.ref, ask.with_records))
         clock.lap("encode")
-        return reply
+        return drafted
+
+    def _published(self, ref: tpb.RequestRef, word: pb.Publish, root: int) -> tuple[tuple, pb.Commit]:
+        """The reseed and the target's commit that the coordinator's word names: the accepted rows, tokens and features
+        of the verification this worker relayed for that round."""
+        self.same_request(ref, word.ref, "publish.ref")
+        relayed = self.relayed.get(ref.request_id)
+        if relayed is None or relayed.round_id != word.round_id or relayed.version != word.ref.version:
+            raise ServiceError(PRECONDITION, "publish.round_id", "names no round whose verification this worker relayed for the request")
+        if tuple(word.accepted_rows) != relayed.accepted_rows or tuple(word.tokens) != relayed.tokens:
+            raise wire.WireError("publish.tokens", "the word differs from the verification this worker relayed")
+        if word.tokens[-1] != root:
+            raise TreeError("draft.root_token", f"{root} is not the frontier token {word.tokens[-1]} of the published round")
+        commit = pb.Commit(ref=word.ref, accepted_rows=word.accepted_rows, round_id=word.round_id)
+        return (word.ref.version, relayed.features, list(word.tokens)), commit
+
+    async def relay(self, method: str, served: list[Served]) -> None:
+        """Send each drafted tree on to its target worker (one Batch per target) and answer each Round with the
+        verification, after checking it against the tree as a receipt."""
+        if method != "Round":
+            return
+        targets: dict[str, list[Served]] = {}
+        for call in served:
+            if call.error is None:
+                targets.setdefault(call.reply.target, []).append(call)
+        await asyncio.gather(*(self._verify_at(address, calls) for address, calls in targets.items()))
+
+    async def _verify_at(self, address: str, calls: list[Served]) -> None:
+        batch = pb.CallBatch(method="Verify", calls=[call.reply.verify_request for call in calls]).SerializeToString()
+        try:
+            raw = await self._target(address)(batch, timeout=self.spec.rpc_timeout_s, metadata=self._credential)
+            results = pb.CallBatchReply.FromString(raw).results
+            if len(results) != len(calls):
+                raise wire.WireError("results", f"{len(results)} results for {len(calls)} calls")
+        except grpc.RpcError as exc:
+            for call in calls:
+                call.fail(ServiceError(exc.code(), "target", f"the target worker at {address}: {exc.details()}"))
+            return
+        except (DecodeError, wire.WireError) as exc:
+            for call in calls:
+                call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target", f"the target worker at {address} answered no CallBatchReply: {exc}"))
+            return
+        for call, result in zip(calls, results):
+            call.clock.skip()  # the wait on the target: its own phases come back in the reply
+            if result.code:
+                field = f"target.{result.field}" if result.field else "target"
+                call.fail(ServiceError(STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN), field, result.details))
+                continue
+            drafted: Drafted = call.reply
+            try:
+                self.relayed[drafted.ref.request_id] = self._receive(drafted, result.reply)
+            except (DecodeError, wire.WireError, TreeError) as exc:
+                field = getattr(exc, "field", "message")
+                call.fail(ServiceError(grpc.StatusCode.INTERNAL, f"target.{field}", f"the target's verification fails its receipt check: {exc}"))
+                continue
+            call.clock.lap("decode")
+            call.reply = pb.RoundReply(
+                ref=drafted.ref, proposal=drafted.proposal, verify_request=drafted.verify_request, verification=result.reply,
+                target_seconds=result.seconds, target_forwards=result.forwards,
+            )
+
+    def _receive(self, drafted: Drafted, data: bytes) -> Relayed:
+        """A target's verification of `drafted`, checked against its tree: what the coordinator's word may publish."""
+        msg = pb.Verification.FromString(data)
+        if msg.ref != drafted.ref or msg.decision.ref != drafted.ref:
+            raise wire.WireError("ref", "the verification names another request or version than the tree")
+        verification = wire.verification_from_proto(msg, self.feature_width)
+        wire.validate_verification(verification, drafted.tree, self.vocab_size)
+        decision = verification.decision
+        tokens = (*decision.accepted_tokens, decision.frontier_token)
+        return Relayed(msg.round_id, drafted.ref.version, tuple(decision.accepted_rows), tokens, verification.features)
+
+    def _target(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
+        """The Batch method of the target worker at `address`, over a channel kept for it."""
+        if address not in self._targets:
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", WORKER_MESSAGE_BYTES), ("grpc.max_send_message_length", WORKER_MESSAGE_BYTES)])
+            self._targets[address] = channel.unary_unary(f"/{pb.DESCRIPTOR.services_by_name['TargetWorker'].full_name}/Batch")
+        return self._targets[address]
 
     def reseed(self, msg: pb.Reseed, clock: Clock) -> pb.Ack:
         """The draft side of a publish, sent on its own."""

@@ -19,6 +19,7 @@ from eyas.runtime.kv import KVCapacityError
 from eyas.runtime.shard import GroupError
 
 log = logging.getLogger("eyas.service")
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a CallResult's code -> its status
 
 
 class ServiceError(Exception):

@@ -15,7 +15,7 @@ from eyas.stats import GenerationStats
 from eyas.trace.record import RequestRecorder
 from eyas.tree import TreePolicy
 
-from .proxy import CallTiming, RemoteDraft, RemoteTarget
+from .proxy import CallTiming, RemoteRequest
 from .routing import Member
 
 SERVICE_PHASES = ("compute", "rpc", "serialize", "queue", "batch", "coordinator", "rebuild")
@@ -44,8 +44,7 @@ class Job:
     emit: Callable[[Chunk | Exception], None]
     draft: Member | None = None
     target: Member | None = None
-    draft_session: RemoteDraft | None = None
-    target_session: RemoteTarget | None = None
+    session: RemoteRequest | None = None  # its sessions on both workers
     timing: CallTiming = field(default_factory=CallTiming)
     stats: GenerationStats = field(default_factory=GenerationStats)
     service: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SERVICE_PHASES, 0.0))

@@ -1,12 +1,12 @@
-"""The coordinator's side of the worker RPCs: remote sessions with the local sessions' methods.
+"""The coordinator's side of the worker RPCs: a request's remote sessions with the local sessions' methods.
 
-`RemoteDraft` and `RemoteTarget` implement `eyas.rounds.Drafting` / `Verifying`, so the coordinator
-runs the engine's own `start`, `run_round` and publish transaction against remote workers. The
-publish steps stay explicit, versioned messages: the reseed rides on the next Draft call and the commit on the
-next Verify call, so a round costs two calls, not three. A round's Draft and Verify calls are yielded as
-`RemoteCall`s, which the coordinator's round driver sends with other requests' calls in one Batch call
-(`actors.driver`); run alone, a call is a Batch of one. Every reply is checked on receipt, and every call's
-time is split into RPC, serialization, queueing and compute.
+`RemoteRequest` implements `eyas.rounds.Drafting` and `Verifying`, so the coordinator runs the engine's own `start`,
+`round_steps` and publish transaction against remote workers. A round is one Round call to the request's draft
+worker, which sends the tree on to its target worker and answers with the verification (docs/wire.md, "Rounds"); the
+publish stays an explicit, versioned message: the coordinator's word on a round rides on the next Round call. A
+round's call is yielded as a `RemoteCall`, which the coordinator's round driver sends with other requests' calls in
+one Batch call (`actors.driver`); run alone, a call is a Batch of one. Every reply is checked on receipt, and every
+call's time is split into RPC, serialization, queueing and compute.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from eyas.tree import FlattenedTree, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
+from .errors import STATUS_CODES
 from .server import PHASES, parse_timing
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class WorkerLost(Exception):
@@ -96,22 +96,39 @@ class CallTiming:
         self.compute += server["compute"]
         self.rpc += wire - sum(server.values())
 
+    def charge_target(self, server: dict[str, float]) -> None:
+        """Move the phases of the target behind a Round out of its transport (`charge` counted the whole wait)."""
+        self.serialize += server["decode"] + server["encode"]
+        self.queue += server["queue"]
+        self.batch += server["batch"]
+        self.compute += server["compute"]
+        self.rpc -= sum(server.values())
+
 
 @dataclass
 class RemoteCall:
     """A round's call on a worker, as its operation yields it (`eyas.steps.Forward` with the worker's client as
     runner): built, sent and parsed by whoever drives the round, alone or in one Batch call with other requests'
-    calls (`actors.driver.RoundDriver`). `keep` gets the request and reply bytes exactly as they crossed the wire;
-    `forwards`, once it is answered, the model forwards the worker ran for it (rows, batch-mates' among them, and
-    seconds of each)."""
+    calls (`actors.driver.RoundDriver`). `behind`: the worker a refusal naming field `target` comes from (the target
+    behind a Round); `forwards`, once it is answered, the model forwards the worker ran for it (rows, batch-mates'
+    among them, and seconds of each)."""
 
     method: str
     build: Callable[[], Message]
     reply_type: type[Message]
     parse: Callable
     timing: CallTiming
-    keep: Callable[[bytes, bytes], None] | None = None
+    behind: "WorkerClient | None" = None
     forwards: list[tuple[int, float]] = field(default_factory=list)
+
+
+def refusal(worker: "WorkerClient", code: grpc.StatusCode, field: str, details: str) -> Exception:
+    """The exception a status from `worker` means: the worker lost, the session lost, or a refusal naming `field`."""
+    if code in LOST_CODES:
+        return WorkerLost(worker, f"{code.name}: {details}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return SessionLost(worker, details)
+    return RemoteError(worker, code, field, details)
 
 
 class WorkerClient:
@@ -167,10 +184,8 @@ class WorkerClient:
         reply_type: type[Message],
         parse: Callable,
         timing: CallTiming,
-        keep: Callable[[bytes, bytes], None] | None = None,
     ):
-        """Build, serialize, send and parse one call, charging each part to `timing`; `keep` gets the request
-        and reply bytes exactly as they crossed the wire."""
+        """Build, serialize, send and parse one call, charging each part to `timing`."""
         t0 = time.perf_counter()
         data = build().SerializeToString()
         t1 = time.perf_counter()
@@ -179,8 +194,6 @@ class WorkerClient:
         except grpc.RpcError as error:
             raise self._translate(error) from None
         t2 = time.perf_counter()
-        if keep is not None:
-            keep(data, raw)
         value = parse(reply_type.FromString(raw))
         timing.charge(parse_timing(call), (t1 - t0) + (time.perf_counter() - t2), t2 - t1)
         return value
@@ -221,22 +234,18 @@ class WorkerClient:
         if len(results) != len(calls):
             return self._fail(calls, builds, wire.WireError("results", f"{len(results)} results for {len(calls)} calls"), t2 - t1)
         outcomes = []
-        for call, sent, build, result in zip(calls, data, builds, results):
+        for call, build, result in zip(calls, builds, results):
             t3 = time.perf_counter()
             server = dict.fromkeys(PHASES, 0.0)
             try:
-                if len(result.seconds) != len(PHASES):
-                    raise wire.WireError("results.seconds", f"{len(result.seconds)} phases, not {len(PHASES)}")
-                server = dict(zip(PHASES, result.seconds))
+                server = check_phases(result.seconds, "results.seconds")
                 if result.code:
                     code = STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-                    raise self._refusal(code, result.field, result.details)
-                if any(f.rows == 0 or not 0.0 <= f.seconds < float("inf") for f in result.forwards):
-                    raise wire.WireError("results.forwards", "a forward of no rows or of a time that is not a duration")
-                if call.keep is not None:
-                    call.keep(sent, result.reply)
-                outcomes.append(call.parse(call.reply_type.FromString(result.reply)))
-                call.forwards = [(f.rows, f.seconds) for f in result.forwards]
+                    behind = call.behind if result.field.split(".")[0] == "target" else None
+                    raise refusal(behind or self, code, result.field, result.details)
+                forwards = check_forwards(result.forwards, "results.forwards")
+                outcomes.append(call.parse(decode(call.reply_type, result.reply, "results.reply")))
+                call.forwards = forwards
             except Exception as exc:
                 outcomes.append(exc)
             call.timing.charge(server, build + time.perf_counter() - t3, t2 - t1)
@@ -255,15 +264,7 @@ class WorkerClient:
         return self._methods[method]
 
     def _translate(self, error: grpc.RpcError) -> Exception:
-        return self._refusal(error.code(), field_of(error.trailing_metadata()), error.details())
-
-    def _refusal(self, code: grpc.StatusCode, field: str, details: str) -> Exception:
-        """The exception a call's status means: the worker lost, the session lost, or a refusal naming `field`."""
-        if code in LOST_CODES:
-            return WorkerLost(self, f"{code.name}: {details}")
-        if code == grpc.StatusCode.NOT_FOUND:
-            return SessionLost(self, details)
-        return RemoteError(self, code, field, details)
+        return refusal(self, error.code(), field_of(error.trailing_metadata()), error.details())
 
     def health(self, timeout: float = 5.0) -> pb.WorkerHealth:
         """The worker's counts; raises grpc.RpcError when it does not answer, WorkerLost after `close`."""
@@ -299,109 +300,51 @@ class WorkerClient:
             self._channel.close()
 
 
-class RemoteSession:
-    """One request's session on one worker: its reference and where its call time goes."""
+class RemoteRequest:
+    """One request's sessions on its draft and its target worker: `eyas.rounds.Drafting` and `Verifying` at once, so
+    the coordinator runs the engine's own `start`, `round_steps` and publish over them (pass it as both).
 
-    def __init__(self, client: WorkerClient, request_id: str, manifest_id: str, timing: CallTiming):
-        self.client = client
-        self.request_id = request_id
-        self.manifest_id = manifest_id
-        self.timing = timing
-        self.forwards: list[tuple[int, float]] = []  # the last round call's forwards on the worker (rows, seconds)
-
-    def ref(self, version: int) -> tpb.RequestRef:
-        return wire.ref(self.request_id, version, self.manifest_id)
-
-    def check_ref(self, reply_ref: tpb.RequestRef, version: int) -> None:
-        if reply_ref != self.ref(version):
-            raise wire.WireError("ref", f"the reply names {reply_ref.request_id!r} at version {reply_ref.version}")
-
-    def release(self) -> None:
-        self.client.release(self.ref(0))
-
-
-class RemoteDraft(RemoteSession):
-    """`eyas.rounds.Drafting` over gRPC; a reseed rides on the next Draft call."""
-
-    def __init__(self, client: WorkerClient, request_id: str, manifest_id: str, timing: CallTiming, vocab_size: int):
-        super().__init__(client, request_id, manifest_id, timing)
-        self.vocab_size = vocab_size
-        self._reseed: tuple[int, torch.Tensor, list[int]] | None = None
-        self.off_worker = 0.0  # the last Draft call's seconds outside the worker's compute (`CallTiming.off_worker`)
-
-    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
-        """`start` as an operation of the request's start (the drafter's prefill runs on the worker)."""
-        return without_forwards(self.start, version, features, tokens)
-
-    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
-        def build():
-            return pb.DraftStart(ref=self.ref(version), features=wire.tensor_to_proto(features), tokens=tokens)
-
-        self.client.call("Start", build, pb.Ack, lambda reply: self.check_ref(reply.ref, version), self.timing)
-
-    def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
-        self._reseed = (version, features, list(tokens))
-
-    def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
-        """`propose_steps` run alone."""
-        return run_alone(self.propose_steps(version, root_token, policy))
-
-    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
-        """The Draft call as an operation of the round: it yields the call, which its driver sends (the forwards
-        run on the worker)."""
-
-        def build():
-            msg = pb.DraftRequest(
-                ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
-            )
-            if self._reseed is not None:
-                v, features, tokens = self._reseed
-                msg.reseed.CopyFrom(pb.Reseed(ref=self.ref(v), features=wire.tensor_to_proto(features), tokens=tokens))
-            return msg
-
-        def parse(reply: pb.Proposal) -> Proposal:
-            self.check_ref(reply.ref, version)
-            proposal = wire.proposal_from_proto(reply)
-            # What only the coordinator knows; the target worker validates the tree's structure once, on receipt.
-            check_fit(proposal.tree.num_rows, int(proposal.tree.tokens[0]) if proposal.tree.num_rows else None,
-                      budget=policy.budget, root_token=root_token)
-            return proposal
-
-        call = RemoteCall("Draft", build, pb.Proposal, parse, self.timing)
-        before = self.timing.off_worker()
-        proposal = yield Forward(self.client, call)  # its timing is charged before the round resumes
-        self.off_worker = self.timing.off_worker() - before
-        self.forwards = call.forwards
-        self._reseed = None
-        return proposal
-
-
-class RemoteTarget(RemoteSession):
-    """`eyas.rounds.Verifying` over gRPC; a commit rides on the next Verify call (the worker applies it first).
-
-    With `keep_wire`, `exchange` holds the last Verify request and reply bytes, for traces.
+    A round is one Round call to the draft worker, which drafts the tree, has the target verify it and answers with
+    both (`propose_steps`; `verify_steps` then returns that verification). The publish (`commit` and `reseed`) becomes
+    the coordinator's word (`pb.Publish`) on the next Round call, which each worker applies first. `exchange` holds
+    the last round's Verify request and reply bytes as they crossed the wire, for traces.
     """
 
     def __init__(
         self,
-        client: WorkerClient,
+        draft: WorkerClient,
+        target: WorkerClient,
         request_id: str,
         manifest_id: str,
         timing: CallTiming,
         vocab_size: int,
         feature_width: int,
-        keep_wire: bool = False,
+        sampling: SamplingParams,
     ):
-        super().__init__(client, request_id, manifest_id, timing)
-        self.vocab_size = vocab_size
-        self.feature_width = feature_width
-        self._commit: pb.Commit | None = None
-        self.round_id = ""  # the round of the tree last verified, which its commit names
-        self.keep_wire = keep_wire
+        self.draft, self.target = draft, target
+        self.request_id, self.manifest_id = request_id, manifest_id
+        self.timing = timing
+        self.vocab_size, self.feature_width = vocab_size, feature_width
+        self.sampling = wire.sampling_to_proto(sampling)
+        self._accepted_rows: tuple[int, ...] = ()  # the target's side of the publish, until the draft's completes it
+        self._publish: pb.Publish | None = None  # the word the next Round carries
+        self._verified: tuple[FlattenedTree, Verification] | None = None  # the last round's, for `verify_steps`
+        self.round_id = ""  # the round last verified, which the word on it names
         self.exchange: tuple[bytes, bytes] | None = None
+        self.draft_forwards: list[tuple[int, float]] = []  # the last round's forwards on each worker (rows, seconds)
+        self.target_forwards: list[tuple[int, float]] = []
+        self.off_worker = 0.0  # the last Round's seconds outside the workers' compute (`CallTiming.off_worker`)
 
+    def ref(self, version: int) -> tpb.RequestRef:
+        return wire.ref(self.request_id, version, self.manifest_id)
+
+    def check_ref(self, reply_ref: tpb.RequestRef, version: int, field: str = "ref") -> None:
+        if reply_ref != self.ref(version):
+            raise wire.WireError(field, f"the reply names {reply_ref.request_id!r} at version {reply_ref.version}")
+
+    # -- start ---------------------------------------------------------------------------------
     def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]:
-        """`prefill` as an operation (the forward runs on the worker)."""
+        """`prefill` as an operation (the forward runs on the target worker)."""
         return without_forwards(self.prefill, version, tokens)
 
     def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
@@ -409,46 +352,109 @@ class RemoteTarget(RemoteSession):
             self.check_ref(reply.ref, version)
             return wire.features_from_proto(reply.features, "features", len(tokens), self.feature_width)
 
-        return self.client.call("Prefill", lambda: pb.Prefill(ref=self.ref(version), tokens=tokens), pb.PrefillReply, parse, self.timing)
+        return self.target.call("Prefill", lambda: pb.Prefill(ref=self.ref(version), tokens=tokens), pb.PrefillReply, parse, self.timing)
 
-    def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
-        """The target side of the publish, carried by the next Verify call: one call per round, not two (a lone
-        Commit call costs both ends more CPU than the worker's move of the accepted rows)."""
-        self._commit = pb.Commit(ref=self.ref(version), accepted_rows=accepted_rows, round_id=self.round_id)
+    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
+        """`start` as an operation of the request's start (the drafter's prefill runs on the draft worker)."""
+        return without_forwards(self.start, version, features, tokens)
 
-    def verify(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
-        """`verify_steps` run alone."""
-        return run_alone(self.verify_steps(tree, version, params))
+    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
+        def build():
+            return pb.DraftStart(ref=self.ref(version), features=wire.tensor_to_proto(features), tokens=tokens)
+
+        self.draft.call("Start", build, pb.Ack, lambda reply: self.check_ref(reply.ref, version), self.timing)
+
+    # -- a round -------------------------------------------------------------------------------
+    def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
+        """`propose_steps` run alone."""
+        return run_alone(self.propose_steps(version, root_token, policy))
+
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
+        """The Round call as an operation of the round: it yields the call, which its driver sends (the forwards run
+        on the workers), and returns the proposal; its verification waits for `verify_steps`."""
+        round_id = secrets.token_hex(16)
+        word = self._publish
+
+        def build() -> pb.RoundRequest:
+            ask = pb.DraftRequest(
+                ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
+            )
+            return pb.RoundRequest(draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address)
+
+        def parse(reply: pb.RoundReply) -> Proposal:
+            self.check_ref(reply.ref, version)
+            sent = decode(pb.VerifyRequest, reply.verify_request, "verify_request")
+            commit = None if word is None else pb.Commit(ref=word.ref, accepted_rows=word.accepted_rows, round_id=word.round_id)
+            if (sent.ref, sent.round_id, sent.sampling) != (self.ref(version), round_id, self.sampling) or (
+                sent.commit if sent.HasField("commit") else None
+            ) != commit:
+                raise wire.WireError("verify_request", "the tree went to the target with another request, round, sampling or commit")
+            proposal = wire.proposal_from_proto(reply.proposal, sent.tree)
+            # What only the coordinator knows; the target worker validated the tree's structure, once, on receipt.
+            tree = proposal.tree
+            check_fit(tree.num_rows, int(tree.tokens[0]) if tree.num_rows else None, budget=policy.budget, root_token=root_token)
+            answer = decode(pb.Verification, reply.verification, "verification")
+            self.check_ref(answer.ref, version, "verification.ref")
+            self.check_ref(answer.decision.ref, version, "verification.decision.ref")
+            if answer.round_id != round_id:
+                raise wire.WireError("verification.round_id", "the verification names another round than the call")
+            verification = wire.verification_from_proto(answer, self.feature_width)
+            wire.validate_verification(verification, tree, self.vocab_size)
+            self.timing.charge_target(check_phases(reply.target_seconds, "target_seconds"))
+            self.target_forwards = check_forwards(reply.target_forwards, "target_forwards")
+            self._verified = (tree, verification)
+            self.exchange = (reply.verify_request, reply.verification)
+            return proposal
+
+        call = RemoteCall("Round", build, pb.RoundReply, parse, self.timing, behind=self.target)
+        before = self.timing.off_worker()
+        proposal = yield Forward(self.draft, call)  # its timing is charged before the round resumes
+        self.off_worker = self.timing.off_worker() - before
+        self.draft_forwards = call.forwards
+        self._publish = None
+        self.round_id = round_id
+        return proposal
 
     def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
-        """The Verify call as an operation of the round: it yields the call, which its driver sends (the forward
-        runs on the worker)."""
-        round_id = secrets.token_hex(16)
+        """The verification the round's call brought back with `tree` (the target verified it there)."""
+        return without_forwards(self.verified, tree, version, params)
 
-        def build():
-            request = self.ref(version)
-            tree_msg = wire.tree_to_proto(tree, request)
-            msg = pb.VerifyRequest(ref=request, tree=tree_msg, sampling=wire.sampling_to_proto(params), round_id=round_id)
-            if self._commit is not None:
-                msg.commit.CopyFrom(self._commit)
-            return msg
-
-        def parse(reply: pb.Verification) -> Verification:
-            self.check_ref(reply.ref, version)
-            self.check_ref(reply.decision.ref, version)
-            if reply.round_id != round_id:
-                raise wire.WireError("round_id", "the reply names another round than the call")
-            verification = wire.verification_from_proto(reply, self.feature_width)
-            wire.validate_verification(verification, tree, self.vocab_size)
-            return verification
-
-        keep = self._keep if self.keep_wire else None
-        call = RemoteCall("Verify", build, pb.Verification, parse, self.timing, keep)
-        verification = yield Forward(self.client, call)
-        self.forwards = call.forwards
-        self._commit = None
-        self.round_id = round_id
+    def verified(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
+        if self._verified is None or self._verified[0] is not tree or wire.sampling_to_proto(params) != self.sampling:
+            raise ValueError("verify: the round's call verified another tree, or with other sampling options")
+        verification, self._verified = self._verified[1], None
         return verification
 
-    def _keep(self, request: bytes, reply: bytes) -> None:
-        self.exchange = (request, reply)
+    def commit(self, version: int, accepted_rows: tuple[int, ...]) -> None:
+        """The target's side of the publish, completed by `reseed` into the word the next Round carries."""
+        self._accepted_rows = tuple(accepted_rows)
+
+    def reseed(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
+        """The draft's side of the publish: the word on this round (the draft worker holds its features)."""
+        self._publish = pb.Publish(ref=self.ref(version), round_id=self.round_id, accepted_rows=self._accepted_rows, tokens=tokens)
+
+    def release(self, side: str) -> None:
+        """Drop the session on the "draft" or "target" worker; a session or worker already gone is fine."""
+        getattr(self, side).release(self.ref(0))
+
+
+def decode(message: type[Message], data: bytes, field: str) -> Message:
+    """Bytes that must be a `message`, or a WireError naming `field`."""
+    try:
+        return message.FromString(data)
+    except DecodeError as exc:
+        raise wire.WireError(field, f"not a {message.__name__}: {exc}") from None
+
+
+def check_phases(seconds, field: str) -> dict[str, float]:
+    """A worker's reported phase seconds, one per phase, each a duration."""
+    if len(seconds) != len(PHASES) or not all(0.0 <= s < float("inf") for s in seconds):
+        raise wire.WireError(field, f"{len(seconds)} phases, not {len(PHASES)} durations")
+    return dict(zip(PHASES, seconds))
+
+
+def check_forwards(forwards, field: str) -> list[tuple[int, float]]:
+    """A worker's reported forwards: each of some rows, taking a duration."""
+    if any(f.rows == 0 or not 0.0 <= f.seconds < float("inf") for f in forwards):
+        raise wire.WireError(field, "a forward of no rows or of a time that is not a duration")
+    return [(f.rows, f.seconds) for f in forwards]

@@ -175,6 +175,10 @@ class Clock:
         self.seconds[phase] += now - self._last
         self._last = now
 
+    def skip(self) -> None:
+        """Charge the time since the previous lap to no phase (a wait another worker's phases account for)."""
+        self._last = time.perf_counter()
+
     def move(self, source: str, target: str, seconds: float) -> None:
         """Recharge `seconds` already counted under `source` to `target`."""
         self.seconds[source] -= seconds

@@ -17,8 +17,9 @@ import resource
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import GeneratorType
+from typing import Any
 
 import grpc
 import ray
@@ -56,6 +57,7 @@ class WorkerSpec:
     kv_slots: int = 16  # sessions one worker's KV pool holds at once
     tensor_parallel: int = 1  # ranks of a target group (docs/groups.md)
     emulate: str | None = None  # a cost profile: timed models stand in for the target and the drafter (eyas.emulation)
+    rpc_timeout_s: float = 120.0  # a call to another worker (a Round's Verify) slower than this fails as lost
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,21 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...] = ()
 
 
+@dataclass
+class Served:
+    """One call's outcome on this worker: its reply (a message, or what `Worker.relay` finishes into one) or its error,
+    its clock, the forwards it took part in as (rows, seconds), and, once encoded, its reply's bytes."""
+
+    reply: Any = None
+    error: BaseException | None = None
+    clock: Clock = field(default_factory=Clock)
+    forwards: list[tuple[int, float]] = field(default_factory=list)
+    data: bytes | None = None
+
+    def fail(self, error: BaseException) -> None:
+        self.reply, self.error = None, error
+
+
 class WorkerStartError(RuntimeError):
     """A worker could not load its models; the message names the original error."""
 
@@ -85,6 +102,12 @@ def rss_bytes() -> int:
     except OSError:
         scale = 1 if sys.platform == "darwin" else 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def request_key(msg: Message) -> str:
+    """The request a call is for: its `ref`'s id (a Round's inside its `draft`), "" for a call that names none."""
+    ref = getattr(msg, "ref", None) or getattr(getattr(msg, "draft", None), "ref", None)
+    return ref.request_id if ref is not None else ""
 
 
 def assigned_device() -> torch.device:
@@ -156,6 +179,10 @@ class Worker:
         """A call for `request_id` has arrived: cut short the follow-up work its previous call left running (on the
         event loop, before the call waits for that work)."""
 
+    async def relay(self, method: str, served: list[Served]) -> None:
+        """Finish the served calls of `method` that need another worker (on the event loop, before they are
+        encoded): a draft worker's Rounds go on to their targets."""
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, port: int = 0) -> WorkerInfo:
         """Load the models, then serve on the configured host; returns where the worker listens.
@@ -170,11 +197,9 @@ class Worker:
             await asyncio.to_thread(self.load)
         except Exception as exc:  # engine errors take several arguments; a plain one crosses Ray intact
             raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
-        endpoints = self.endpoints()
-        methods = {name: self._unary(request_type, fn) for name, (request_type, fn) in endpoints.items()}
+        endpoints = {**self.endpoints(), "Release": (pb.Release, self.release), "Costs": (pb.CostsRequest, self.costs)}
+        methods = {name: self._unary(name, *endpoint) for name, endpoint in endpoints.items()}
         methods["Batch"] = self._batch({name: endpoints[name] for name in self.batched})
-        methods["Release"] = self._unary(pb.Release, self.release)
-        methods["Costs"] = self._unary(pb.CostsRequest, self.costs)
         methods["Health"] = grpc.unary_unary_rpc_method_handler(self._health)
         full_name = pb.DESCRIPTOR.services_by_name[self.service].full_name
         handler = grpc.method_handlers_generic_handler(full_name, methods)
@@ -194,15 +219,15 @@ class Worker:
         )
 
     # -- serving ------------------------------------------------------------------------------
-    def _unary(self, request_type: type[Message], fn: Callable[[Message, Clock], Message]) -> grpc.RpcMethodHandler:
+    def _unary(self, method: str, request_type: type[Message], fn: Callable[[Message, Clock], Message]) -> grpc.RpcMethodHandler:
         """A raw-bytes handler of one call: parse, run `fn` on the compute thread, serialize; timing in the trailer."""
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            [(data, error, clock, _)] = await self._serve_calls(request_type, fn, [raw])
-            if error is not None:
-                await abort(context, error)
-            context.set_trailing_metadata(clock.trailer())
-            return data
+            [call] = await self._serve(method, request_type, fn, [raw])
+            if call.error is not None:
+                await abort(context, call.error)
+            context.set_trailing_metadata(call.clock.trailer())
+            return call.data
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
@@ -220,39 +245,44 @@ class Worker:
                     raise ServiceError(
                         grpc.StatusCode.INVALID_ARGUMENT, "method", f"{batch.method!r} is not one of {sorted(endpoints)}"
                     )
-                served = await self._serve_calls(*endpoints[batch.method], list(batch.calls))
+                served = await self._serve(batch.method, *endpoints[batch.method], list(batch.calls))
             except Exception as exc:
                 await abort(context, exc)
             results = []
-            for data, error, clock, forwards in served:
+            for call in served:
                 timing = {
-                    "seconds": [clock.seconds[p] for p in PHASES],
-                    "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in forwards],
+                    "seconds": [call.clock.seconds[p] for p in PHASES],
+                    "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in call.forwards],
                 }
-                if error is None:
-                    results.append(pb.CallResult(code=0, reply=data, **timing))
+                if call.error is None:
+                    results.append(pb.CallResult(code=0, reply=call.data, **timing))
                 else:
-                    code, field, details = status_of(error)
+                    code, field, details = status_of(call.error)
                     results.append(pb.CallResult(code=code.value[0], field=field, details=details, **timing))
             return pb.CallBatchReply(results=results).SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
-    async def _serve_calls(
-        self, request_type: type[Message], fn: Callable, raws: list[bytes]
-    ) -> list[tuple[bytes | None, BaseException | None, Clock, list[tuple[int, float]]]]:
-        """Decode each call, run it on the compute thread after the calls of its request that arrived before it (and
-        the work they left running there), and serialize its reply: (reply bytes, error, clock, the forwards it took
-        part in as (rows, seconds)) per call.
+    async def _serve(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
+        """Serve calls of `method` (`_serve_calls`), finish those that need another worker (`relay`), and encode
+        each reply."""
+        served = await self._serve_calls(request_type, fn, raws)
+        await self.relay(method, served)
+        for call in served:
+            if call.error is None:
+                call.data = call.reply.SerializeToString()
+                call.clock.lap("encode")
+        return served
+
+    async def _serve_calls(self, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
+        """Decode each call and run it on the compute thread after the calls of its request that arrived before it (and
+        the work they left running there).
 
         The calls are submitted together, so that their forwards run as one batch per model. A request named
         twice in one batch has its second call refused (it would wait for the first, submitted with it).
         """
         loop = asyncio.get_running_loop()
-        clocks = [Clock() for _ in raws]
-        replies: list[bytes | None] = [None] * len(raws)
-        errors: list[BaseException | None] = [None] * len(raws)
-        forwards: list[list[tuple[int, float]]] = [[] for _ in raws]
+        served = [Served() for _ in raws]
         admitted: list[tuple[int, str, Message]] = []  # (call, its request id, its message)
         keys: set[str] = set()
         for i, raw in enumerate(raws):
@@ -261,15 +291,14 @@ class Worker:
                     request = request_type.FromString(raw)
                 except DecodeError as exc:
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}")
-                ref = getattr(request, "ref", None)
-                key = ref.request_id if ref is not None else ""
+                key = request_key(request)
                 if key in keys:  # an empty id too: the second call would wait for the first, submitted with it
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id", f"{key!r} has two calls in one batch")
             except ServiceError as exc:
-                errors[i] = exc
+                served[i].error = exc
                 continue
             keys.add(key)
-            clocks[i].lap("decode")
+            served[i].clock.lap("decode")
             admitted.append((i, key, request))
         turns = []  # per admitted call: the call it waits for, and its own end
         for _, key, _ in admitted:
@@ -299,24 +328,22 @@ class Worker:
             for (_, key, _), (_, done) in zip(admitted, turns):
                 settle(key, done)
             raise
-        submitted = self.scheduler.submit_many([self._steps(fn, request, clocks[i]) for i, _, request in admitted])
+        submitted = self.scheduler.submit_many([self._steps(fn, request, served[i].clock) for i, _, request in admitted])
         for (_, key, _), (_, done), future in zip(admitted, turns, submitted):
             future.add_done_callback(ended(key, done))
         ops = await asyncio.gather(*(asyncio.wrap_future(future) for future in submitted))
-        for i, _, _ in admitted:  # since each call's operation ended: its batch-mates' ends, then this loop taking it up
-            clocks[i].lap("queue")
         for (i, _, _), op in zip(admitted, ops):
-            clock = clocks[i]
-            clock.move("compute", "batch", op.waited)
-            forwards[i] = op.forwards
+            call = served[i]
+            call.clock.lap("queue")  # since its operation ended: its batch-mates' ends, then this loop taking it up
+            call.clock.move("compute", "batch", op.waited)
+            call.forwards = op.forwards
             self.calls += 1
-            self.busy_seconds += clock.seconds["compute"]
+            self.busy_seconds += call.clock.seconds["compute"]
             if op.error is not None:
-                errors[i] = op.error
-                continue
-            replies[i] = op.result.SerializeToString()
-            clock.lap("encode")
-        return list(zip(replies, errors, clocks, forwards))
+                call.error = op.error
+            else:
+                call.reply = op.result
+        return served
 
     @staticmethod
     def _steps(fn: Callable, request: Message, clock: Clock) -> Steps[Message]:
@@ -398,12 +425,12 @@ class Worker:
             raise TreeError(field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return tokens
 
-    def check_policy(self, policy: TreePolicy) -> None:
-        """No tree knob may exceed the service's configured tree policy."""
+    def check_policy(self, policy: TreePolicy, field: str = "") -> None:
+        """No tree knob may exceed the service's configured tree policy; `field` prefixes the knob named."""
         limit = self.spec.tree_limit
         for knob in ("width", "depth", "budget"):
             if getattr(policy, knob) > getattr(limit, knob):
-                raise TreeError(knob, f"{getattr(policy, knob)} exceeds the service limit {getattr(limit, knob)}")
+                raise TreeError(f"{field}{knob}", f"{getattr(policy, knob)} exceeds the service limit {getattr(limit, knob)}")
 
     def same_request(self, outer: tpb.RequestRef, inner: tpb.RequestRef, field: str) -> None:
         """A carried message must name the same request and manifest as the call carrying it."""

@@ -111,21 +111,26 @@ def features_from_proto(msg: tpb.Tensor, field: str, rows: int, width: int) -> t
 
 
 def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef, with_records: bool = False) -> pb.Proposal:
-    """A proposal; a tree drafted ahead records the outcome it assumed in `tree.assumed`; `with_records` adds every
+    """A proposal's counts (its tree travels on to the target: `proposed_tree_to_proto`); `with_records` adds every
     node the expansion recorded (for `tree: auto`)."""
     msg = pb.Proposal(
         ref=request,
-        tree=tree_to_proto(proposal.tree, request),
         nodes_expanded=proposal.nodes_expanded,
         nodes_recorded=proposal.nodes_recorded,
         draft_kv_bytes=proposal.draft_kv_bytes,
         tree_seconds=proposal.tree_seconds,
     )
-    if proposal.assumed is not None:
-        accepted, bonus = proposal.assumed
-        msg.tree.assumed.CopyFrom(pb.AssumedOutcome(accepted_tokens=accepted, frontier_token=bonus))
     if with_records and proposal.draft_tree is not None and proposal.row_nodes is not None:
         msg.records.CopyFrom(records_to_proto(proposal.draft_tree, proposal.row_nodes))
+    return msg
+
+
+def proposed_tree_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.FlattenedTree:
+    """A proposal's tree; one drafted ahead records the outcome it assumed in `assumed`."""
+    msg = tree_to_proto(proposal.tree, request)
+    if proposal.assumed is not None:
+        accepted, bonus = proposal.assumed
+        msg.assumed.CopyFrom(pb.AssumedOutcome(accepted_tokens=accepted, frontier_token=bonus))
     return msg
 
 
@@ -160,11 +165,12 @@ def records_from_proto(msg: pb.DraftRecords, tree: FlattenedTree) -> tuple[Draft
     return recorded, row_nodes
 
 
-def proposal_from_proto(msg: pb.Proposal) -> Proposal:
+def proposal_from_proto(msg: pb.Proposal, tree_msg: pb.FlattenedTree) -> Proposal:
+    """A proposal from its counts and the tree it sent on (`proposed_tree_to_proto`)."""
     assumed = None
-    if msg.tree.HasField("assumed"):
-        assumed = (tuple(msg.tree.assumed.accepted_tokens), int(msg.tree.assumed.frontier_token))
-    tree = tree_from_proto(msg.tree)
+    if tree_msg.HasField("assumed"):
+        assumed = (tuple(tree_msg.assumed.accepted_tokens), int(tree_msg.assumed.frontier_token))
+    tree = tree_from_proto(tree_msg)
     recorded, row_nodes = records_from_proto(msg.records, tree) if msg.HasField("records") else (None, None)
     return Proposal(
         tree=tree,

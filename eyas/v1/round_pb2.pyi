@@ -84,20 +84,62 @@ class Reseed(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("ref", "root_token", "policy", "reseed", "assumed", "with_records")
+    __slots__ = ("ref", "root_token", "policy", "assumed", "with_records")
     REF_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
-    RESEED_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FIELD_NUMBER: _ClassVar[int]
     WITH_RECORDS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     root_token: int
     policy: TreePolicy
-    reseed: Reseed
     assumed: AssumedOutcome
     with_records: bool
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., reseed: _Optional[_Union[Reseed, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ..., with_records: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ..., with_records: _Optional[bool] = ...) -> None: ...
+
+class RoundRequest(_message.Message):
+    __slots__ = ("draft", "publish", "sampling", "round_id", "target")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    draft: DraftRequest
+    publish: Publish
+    sampling: SamplingParams
+    round_id: str
+    target: str
+    def __init__(self, draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., round_id: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class Publish(_message.Message):
+    __slots__ = ("ref", "round_id", "accepted_rows", "tokens")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    round_id: str
+    accepted_rows: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., round_id: _Optional[str] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RoundReply(_message.Message):
+    __slots__ = ("ref", "proposal", "verify_request", "verification", "target_seconds", "target_forwards", "target_wait")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WAIT_FIELD_NUMBER: _ClassVar[int]
+    ref: _tensor_pb2.RequestRef
+    proposal: Proposal
+    verify_request: bytes
+    verification: bytes
+    target_seconds: _containers.RepeatedScalarFieldContainer[float]
+    target_forwards: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    target_wait: float
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., verify_request: _Optional[bytes] = ..., verification: _Optional[bytes] = ..., target_seconds: _Optional[_Iterable[float]] = ..., target_forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., target_wait: _Optional[float] = ...) -> None: ...
 
 class DraftRecords(_message.Message):
     __slots__ = ("tokens", "parents", "confidences", "row_nodes")
@@ -112,22 +154,20 @@ class DraftRecords(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., confidences: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row_nodes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("ref", "tree", "nodes_expanded", "nodes_recorded", "draft_kv_bytes", "tree_seconds", "records")
+    __slots__ = ("ref", "nodes_expanded", "nodes_recorded", "draft_kv_bytes", "tree_seconds", "records")
     REF_FIELD_NUMBER: _ClassVar[int]
-    TREE_FIELD_NUMBER: _ClassVar[int]
     NODES_EXPANDED_FIELD_NUMBER: _ClassVar[int]
     NODES_RECORDED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TREE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
-    tree: FlattenedTree
     nodes_expanded: int
     nodes_recorded: int
     draft_kv_bytes: int
     tree_seconds: float
     records: DraftRecords
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., nodes_expanded: _Optional[int] = ..., nodes_recorded: _Optional[int] = ..., draft_kv_bytes: _Optional[int] = ..., tree_seconds: _Optional[float] = ..., records: _Optional[_Union[DraftRecords, _Mapping]] = ...) -> None: ...
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., nodes_expanded: _Optional[int] = ..., nodes_recorded: _Optional[int] = ..., draft_kv_bytes: _Optional[int] = ..., tree_seconds: _Optional[float] = ..., records: _Optional[_Union[DraftRecords, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("ref", "tokens")
@@ -280,20 +320,22 @@ class CallBatch(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calls: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CallResult(_message.Message):
-    __slots__ = ("code", "field", "details", "reply", "seconds", "forwards")
+    __slots__ = ("code", "field", "details", "reply", "seconds", "forwards", "role")
     CODE_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     code: int
     field: str
     details: str
     reply: bytes
     seconds: _containers.RepeatedScalarFieldContainer[float]
     forwards: _containers.RepeatedCompositeFieldContainer[ForwardCost]
-    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., details: _Optional[str] = ..., reply: _Optional[bytes] = ..., seconds: _Optional[_Iterable[float]] = ..., forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ...) -> None: ...
+    role: str
+    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., details: _Optional[str] = ..., reply: _Optional[bytes] = ..., seconds: _Optional[_Iterable[float]] = ..., forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("rows", "seconds")

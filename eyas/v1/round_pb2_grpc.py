@@ -40,10 +40,10 @@ class DraftWorkerStub:
                 request_serializer=eyas_dot_v1_dot_round__pb2.DraftStart.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.Ack.FromString,
                 _registered_method=True)
-        self.Draft = channel.unary_unary(
-                '/eyas.v1.DraftWorker/Draft',
-                request_serializer=eyas_dot_v1_dot_round__pb2.DraftRequest.SerializeToString,
-                response_deserializer=eyas_dot_v1_dot_round__pb2.Proposal.FromString,
+        self.Round = channel.unary_unary(
+                '/eyas.v1.DraftWorker/Round',
+                request_serializer=eyas_dot_v1_dot_round__pb2.RoundRequest.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.RoundReply.FromString,
                 _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/eyas.v1.DraftWorker/Batch',
@@ -82,7 +82,7 @@ class DraftWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Draft(self, request, context):
+    def Round(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,10 +126,10 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     request_deserializer=eyas_dot_v1_dot_round__pb2.DraftStart.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.Ack.SerializeToString,
             ),
-            'Draft': grpc.unary_unary_rpc_method_handler(
-                    servicer.Draft,
-                    request_deserializer=eyas_dot_v1_dot_round__pb2.DraftRequest.FromString,
-                    response_serializer=eyas_dot_v1_dot_round__pb2.Proposal.SerializeToString,
+            'Round': grpc.unary_unary_rpc_method_handler(
+                    servicer.Round,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.RoundRequest.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.RoundReply.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -196,7 +196,7 @@ class DraftWorker:
             _registered_method=True)
 
     @staticmethod
-    def Draft(request,
+    def Round(request,
             target,
             options=(),
             channel_credentials=None,
@@ -209,9 +209,9 @@ class DraftWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/eyas.v1.DraftWorker/Draft',
-            eyas_dot_v1_dot_round__pb2.DraftRequest.SerializeToString,
-            eyas_dot_v1_dot_round__pb2.Proposal.FromString,
+            '/eyas.v1.DraftWorker/Round',
+            eyas_dot_v1_dot_round__pb2.RoundRequest.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.RoundReply.FromString,
             options,
             channel_credentials,
             insecure,
