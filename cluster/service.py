@@ -76,7 +76,7 @@ class Service:
             if embedded:  # this machine is the whole cluster: a group must fit its devices
                 self.config.target_pool.check_fits("target", torch.cuda.device_count(), self.config.ray_num_cpus)
             ray.init(
-                address=self.ray_address,
+                address=self.ray_address or "local",  # embedded: a new instance, never one `ray start` left here
                 num_cpus=self.config.ray_num_cpus if embedded else None,
                 include_dashboard=False,
                 configure_logging=True,

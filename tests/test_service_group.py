@@ -29,8 +29,7 @@ POOLS = {"draft": {"replicas": 1}, "target": {"replicas": 1, "tensor_parallel": 
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    ray.init(num_cpus=6, include_dashboard=False)
+def svc(ray_session, tmp_path_factory):
     target, drafter = build_models(tmp_path_factory.mktemp("group"))
     config = service_config(target, drafter, pools=POOLS)
     service = Service(config, port=0).start()
@@ -39,7 +38,6 @@ def svc(tmp_path_factory):
     yield {"client": client, "expected": expected, "config": config}
     client.close()
     service.stop()
-    ray.shutdown()
 
 
 def target_pool(client):

@@ -22,8 +22,7 @@ SAMPLED = [{"temperature": 0.7, "seed": i} if i % 2 else {"temperature": 1.0, "t
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    ray.init(num_cpus=5, include_dashboard=False)
+def svc(ray_session, tmp_path_factory):
     target, drafter = build_models(tmp_path_factory.mktemp("recovery"))
     # drafting ahead is on: a draft worker killed while it pre-builds trees loses no committed token
     sections = {"service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "draft_ahead": 2}}
@@ -38,7 +37,6 @@ def svc(tmp_path_factory):
     yield client, expected, plain
     client.close()
     service.stop()
-    ray.shutdown()
 
 
 def pool(client, name):

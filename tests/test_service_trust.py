@@ -30,8 +30,7 @@ LENGTH = 96
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    ray.init(num_cpus=6, include_dashboard=False)
+def svc(ray_session, tmp_path_factory):
     target, drafter = build_models(tmp_path_factory.mktemp("trust"))
     network = {"host": "127.0.0.2", "token": TOKEN}
     service = Service(service_config(target, drafter, draft=1, targets=2, network=network), port=0).start()
@@ -41,7 +40,6 @@ def svc(tmp_path_factory):
     yield {"service": service, "client": client, "engine": engine, "expected": expected, "models": (target, drafter)}
     client.close()
     service.stop()
-    ray.shutdown()
 
 
 def workers(client):
@@ -91,7 +89,7 @@ def test_outsiders_cannot_touch_a_workers_requests_and_a_live_request_is_unchang
             calls = [("Health", pb.WorkerHealthRequest())]
             for version in range(0, 40, 4):  # a flood of Verifies at every plausible version, then Releases
                 ref = wire.ref(request_id, version, client.health()["manifest_id"])
-                round_call = ("Verify", pb.VerifyRequest(ref=ref, round_id="intruder")) if worker["pool"] == "target" else ("Draft", pb.DraftRequest(ref=ref))
+                round_call = ("Verify", pb.VerifyRequest(ref=ref, round_id="intruder")) if worker["pool"] == "target" else ("Round", pb.RoundRequest(draft=pb.DraftRequest(ref=ref)))
                 calls += [round_call, ("Release", pb.Release(ref=ref))]
             for method, msg in calls:
                 with pytest.raises(grpc.RpcError) as err:

@@ -40,10 +40,9 @@ CLIENT_TRACED = {"prompt": [9, 30, 60, 2, 44], "max_new_tokens": 20, "request_id
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
+def svc(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("trace-service")
     target, drafter = build_models(root)
-    ray.init(num_cpus=4, include_dashboard=False)
     config = service_config(target, drafter, models={"target": str(target), "drafter": str(drafter), "draft_dtype": "float32"})
     service = Service(config, port=0, trace=str(root / "service.trace")).start()
     client = Client(service.address)
@@ -57,7 +56,6 @@ def svc(tmp_path_factory):
     }
     client.close()
     service.stop()
-    ray.shutdown()
 
 
 def test_a_recorded_service_run_of_several_requests_replays_identical(svc, capsys):

@@ -4,7 +4,6 @@ import json
 import random
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 from tests.helpers.tiny import add_tokenizer, make_target
@@ -14,15 +13,8 @@ from eyas.train.recipe import Recipe
 from eyas.train.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("kind", ["hass", "eagle3"])
-def test_two_workers_match_one_on_the_same_global_batch(local_ray, tmp_path, kind):
+def test_two_workers_match_one_on_the_same_global_batch(ray_session, tmp_path, kind):
     target = make_target(tmp_path / "target")
     add_tokenizer(target)
     rng = random.Random(1)

@@ -1,9 +1,10 @@
 """Every worker gRPC endpoint validates on receipt: the right status code, the field named, no state changed.
 
-Real Ray actors serving real gRPC on 127.0.0.1 with a tiny model. Each test drives one request
-with the coordinator's own proxies, fires bad messages at a known state, then finishes the
-request: its output must equal the in-process engine's, token for token. Workers take calls only
-with their service's credential (KEY here), even on loopback.
+Real Ray actors serving real gRPC on 127.0.0.1 with a tiny model. A draft worker's Round calls are driven with the
+coordinator's own `RemoteRequest`; a target worker's Verify calls (which a draft worker sends) are driven here as a
+draft worker would, with trees built here, and checked against the in-process target verifying the same trees. Bad
+messages are fired at a known state, then each request finishes: its output must equal the in-process engine's,
+token for token. Workers take calls only with their service's credential (KEY here), even on loopback.
 """
 
 import dataclasses
@@ -18,15 +19,16 @@ from tests.helpers.servicekit import TREE, build_models
 from eyas import Engine, wire
 from eyas.actors.config import PoolConfig
 from eyas.actors.draft_worker import DraftWorker
-from eyas.actors.proxy import CallTiming, RemoteCall, RemoteDraft, RemoteTarget, WorkerClient
+from eyas.actors.proxy import CallTiming, RemoteCall, RemoteRequest, WorkerClient
+from eyas.actors.routing import PoolError
 from eyas.actors.target_worker import TargetWorker
 from eyas.actors.worker import WorkerSpec
-from eyas.actors.routing import PoolError
 from eyas.cluster.pools import Pool
 from eyas.errors import WireError
 from eyas.publish import publish
 from eyas.rounds import run_round, start
 from eyas.rpc import TOKEN_KEY, field_of
+from eyas.target import TargetSession
 from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.v1 import round_pb2 as pb
 
@@ -37,8 +39,7 @@ INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    ray.init(num_cpus=4, include_dashboard=False)
+def workers(ray_session, tmp_path_factory):
     target, drafter = build_models(tmp_path_factory.mktemp("endpoints"))
     spec = WorkerSpec(target=str(target), drafter=str(drafter), tree_limit=TreePolicy(**TREE), token=KEY)
     actors = [ray.remote(DraftWorker).remote(spec), ray.remote(TargetWorker).remote(spec)]
@@ -46,7 +47,18 @@ def workers(tmp_path_factory):
     clients = [WorkerClient(i.role, f"{i.role}-0", i.address, KEY, 30.0) for i in infos]
     engine = Engine.from_pretrained(target, drafter, tree=TREE)
     yield {"engine": engine, "spec": spec, "infos": infos, "draft": clients[0], "target": clients[1]}
-    ray.shutdown()
+    for actor in actors:
+        ray.kill(actor)
+
+
+def remote_request(workers, request_id: str, draft: WorkerClient | None = None, target: WorkerClient | None = None, request=None):
+    """The coordinator's proxy of one request on the module's workers (or the given ones)."""
+    info = workers["infos"][1]
+    request = request or workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id=request_id)
+    return RemoteRequest(
+        draft or workers["draft"], target or workers["target"], request_id, info.manifest_id, CallTiming(), info.vocab_size,
+        info.feature_width, request.sampling,
+    )
 
 
 @pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"draft_ahead": 2}, {"draft_dtype": "bfloat16"}])
@@ -55,88 +67,126 @@ def test_bfloat16_and_draft_ahead_workers_serve_what_the_engine_generates(worker
     actors = [ray.remote(DraftWorker).remote(spec), ray.remote(TargetWorker).remote(spec)]
     infos = ray.get([a.start.remote() for a in actors])
     draft_client, target_client = (WorkerClient(i.role, f"{i.role}-x", i.address, KEY, 30.0) for i in infos)
-    target, drafter = spec.target, spec.drafter
     engine = Engine.from_pretrained(
-        target, drafter, tree=TREE, dtype=changes.get("dtype"), draft_ahead=changes.get("draft_ahead", 0), draft_dtype=changes.get("draft_dtype")
+        spec.target, spec.drafter, tree=TREE, dtype=changes.get("dtype"), draft_ahead=changes.get("draft_ahead", 0), draft_dtype=changes.get("draft_dtype")
     )
-    request = engine.new_request(PROMPT, NEW_TOKENS)
-    timing = CallTiming()
-    draft = RemoteDraft(draft_client, "r-x", infos[0].manifest_id, timing, infos[1].vocab_size)
-    verifier = RemoteTarget(target_client, "r-x", infos[0].manifest_id, timing, infos[1].vocab_size, infos[1].feature_width)
-    start(request, draft, verifier)
+    request = engine.new_request(PROMPT, NEW_TOKENS, request_id="changed")
+    pair = remote_request(workers, "changed", draft_client, target_client, request)
+    start(request, pair, pair)
     while not request.done:
-        run_round(request, draft, verifier, engine.tree)
+        run_round(request, pair, pair, engine.tree)
     assert request.output == engine.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids
     for actor in actors:
         ray.kill(actor)
 
 
 def test_a_floor_on_the_policy_crosses_the_wire_and_the_output_stays_exact(workers):
-    """A Draft call's policy carries its `stop`: at a floor no drafted node reaches, every round drafts one level."""
-    engine, (draft_info, target_info) = workers["engine"], workers["infos"]
+    """A Round's policy carries its `stop`: at a floor no drafted node reaches, every round drafts one level."""
+    engine = workers["engine"]
     policy = TreePolicy(**TREE, stop=0.999)
     request = engine.new_request(PROMPT, NEW_TOKENS, request_id="floor")
-    timing = CallTiming()
-    draft = RemoteDraft(workers["draft"], "floor", draft_info.manifest_id, timing, target_info.vocab_size)
-    verifier = RemoteTarget(workers["target"], "floor", draft_info.manifest_id, timing, target_info.vocab_size, target_info.feature_width)
-    start(request, draft, verifier)
+    pair = remote_request(workers, "floor", request=request)
+    start(request, pair, pair)
     depths = []
     while not request.done:
-        depths.append(int(run_round(request, draft, verifier, policy).tree.depths.max()))
-    draft.release()
-    verifier.release()
+        depths.append(int(run_round(request, pair, pair, policy).tree.depths.max()))
+    pair.release("draft")
+    pair.release("target")
     assert request.output == expected_output(workers)
     assert set(depths) == {1} and TREE["depth"] > 1
 
 
 class Live:
-    """One request mid-generation: both workers at `version`, a proposed tree waiting for verification."""
+    """One request mid-generation through the coordinator's proxy: two rounds done, the word on the last one pending
+    (the draft worker at the version before it; the target already committed it, so the word's copy is a retry)."""
 
     def __init__(self, workers, request_id: str, temperature: float = 0.0):
-        self.engine = workers["engine"]
+        self.workers, self.engine = workers, workers["engine"]
         self.manifest = workers["infos"][0].manifest_id
         self.request = self.engine.new_request(PROMPT, NEW_TOKENS, temperature=temperature, seed=7, request_id=request_id)
-        info = workers["infos"][1]
-        timing = CallTiming()
-        self.draft = RemoteDraft(workers["draft"], request_id, self.manifest, timing, info.vocab_size)
-        self.target = RemoteTarget(workers["target"], request_id, self.manifest, timing, info.vocab_size, info.feature_width)
-        start(self.request, self.draft, self.target)
+        self.pair = remote_request(workers, request_id, request=self.request)
+        start(self.request, self.pair, self.pair)
         for _ in range(2):
-            record = run_round(self.request, self.draft, self.target, self.engine.tree)
+            record = run_round(self.request, self.pair, self.pair, self.engine.tree)
         self.version = self.request.version
-        self.proposal = self.draft.propose(self.version, self.request.root_token, self.engine.tree)  # carries the reseed
-        # The target's commit of the last round, sent on its own; the proxy's carried copy is then a harmless retry.
-        commit = pb.Commit(ref=self.ref(record.version), accepted_rows=record.decision.accepted_rows, round_id=self.target.round_id)
+        commit = pb.Commit(ref=self.ref(record.version), accepted_rows=record.decision.accepted_rows, round_id=self.pair.round_id)
         call(workers["target"], "Commit", commit)
-        self.features = torch.zeros(1, info.feature_width)
 
     def ref(self, version=None, request_id=None, manifest_id=None):
         return wire.ref(request_id or self.request.request_id, self.version if version is None else version, manifest_id or self.manifest)
 
-    def verify_msg(self, tree=None, round_id="probe", **ref):
-        r = self.ref(**ref)
-        tree = self.proposal.tree if tree is None else tree
-        sampling = wire.sampling_to_proto(self.request.sampling)
-        return pb.VerifyRequest(ref=r, tree=wire.tree_to_proto(tree, r), sampling=sampling, round_id=round_id)
+    def round_msg(self, policy=None, root=None, round_id="probe", target=None, publish=True, **ref) -> pb.RoundRequest:
+        """The next Round as the proxy would send it (with the pending word), changed where asked."""
+        ask = pb.DraftRequest(
+            ref=self.ref(**ref), root_token=self.request.root_token if root is None else root, policy=wire.policy_to_proto(policy or self.engine.tree)
+        )
+        target = self.workers["target"].address if target is None else target
+        msg = pb.RoundRequest(draft=ask, sampling=self.pair.sampling, round_id=round_id, target=target)
+        if publish:
+            msg.publish.CopyFrom(self.pair._publish)
+        return msg
 
-    def draft_msg(self, policy=None, root=None, **ref):
-        policy = wire.policy_to_proto(policy or self.engine.tree)
-        return pb.DraftRequest(ref=self.ref(**ref), root_token=self.request.root_token if root is None else root, policy=policy)
-
-    def reseed_msg(self, **ref):
-        return pb.Reseed(ref=self.ref(**ref), features=wire.tensor_to_proto(self.features), tokens=[self.request.root_token])
-
-    def finish(self, verification=None) -> list[int]:
-        """Complete the pending round through the proxies (with its `verification` when that was already served),
-        then run to the end."""
-        if verification is None:
-            verification = self.target.verify(self.proposal.tree, self.version, self.request.sampling)
-        publish(self.request, verification.decision, verification.features, self.target, self.draft)
+    def finish(self) -> list[int]:
+        """Run the request to its end through the proxy; its output."""
         while not self.request.done:
-            run_round(self.request, self.draft, self.target, self.engine.tree)
-        self.draft.release()
-        self.target.release()
+            run_round(self.request, self.pair, self.pair, self.engine.tree)
+        self.pair.release("draft")
+        self.pair.release("target")
         return self.request.output
+
+
+class TargetOnly:
+    """A request on the target worker alone, driven as a draft worker drives it (trees built here), beside the same
+    request on the in-process target: every verification the worker serves must equal the in-process one."""
+
+    def __init__(self, workers, request_id: str):
+        self.workers, self.request_id = workers, request_id
+        self.manifest = workers["infos"][1].manifest_id
+        self.local = TargetSession(workers["engine"].target)
+        self.local.prefill(0, PROMPT[:-1])
+        call(workers["target"], "Prefill", pb.Prefill(ref=self.ref(), tokens=PROMPT[:-1]))
+        self.root = PROMPT[-1]
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    def ref(self, version=None, request_id=None, manifest_id=None):
+        return wire.ref(request_id or self.request_id, self.version if version is None else version, manifest_id or self.manifest)
+
+    def tree(self):
+        """Five rows on the committed prefix: two children of the root, a grandchild and its child."""
+        tree = DraftTree(self.root)
+        tree.add_children([0], [(0, 11, 0.6), (0, 12, 0.3)])
+        tree.add_children([1], [(1, 13, 0.5)])
+        tree.add_children([3], [(3, 14, 0.4)])
+        return flatten(tree, tree.select(4), self.local.committed)
+
+    def verify_msg(self, tree=None, round_id="probe", **ref) -> pb.VerifyRequest:
+        r = self.ref(**ref)
+        tree = self.tree() if tree is None else tree
+        return pb.VerifyRequest(ref=r, tree=wire.tree_to_proto(tree, r), sampling=wire.sampling_to_proto(self.sampling), round_id=round_id)
+
+    @property
+    def sampling(self):
+        return self.workers["engine"].new_request(PROMPT, 1).sampling
+
+    def verify(self, round_id: str = "good") -> pb.Verification:
+        """Verify `tree()` on the worker and in process, check they agree, and commit both: a round as a draft worker
+        would drive it."""
+        tree = self.tree()
+        reply = pb.Verification.FromString(call(self.workers["target"], "Verify", self.verify_msg(tree, round_id)))
+        self.check(reply, tree, round_id)
+        return reply
+
+    def check(self, reply: pb.Verification, tree, round_id: str) -> None:
+        served = wire.verification_from_proto(reply, self.workers["infos"][1].feature_width)
+        local = self.local.verify(tree, self.version, self.sampling)
+        assert served.decision == local.decision and torch.equal(served.features, local.features)
+        rows = served.decision.accepted_rows
+        call(self.workers["target"], "Commit", pb.Commit(ref=self.ref(), accepted_rows=rows, round_id=round_id))
+        self.local.commit(self.version, rows)
+        self.root = served.decision.frontier_token
 
 
 def call(client: WorkerClient, method: str, msg, key: str | None = KEY) -> bytes:
@@ -183,33 +233,36 @@ def malformed_trees(tree, prefix_len):
 
 
 def test_malformed_trees_are_refused_naming_the_field_and_change_nothing(workers):
-    live = Live(workers, "trees")
-    assert live.proposal.tree.num_rows >= 4
-    for name, (tree, field) in malformed_trees(live.proposal.tree, live.proposal.tree.prefix_len).items():
-        assert refused(workers["target"], "Verify", live.verify_msg(tree)) == (INVALID, field), name
-    assert live.finish() == expected_output(workers)
+    probe = TargetOnly(workers, "trees")
+    tree = probe.tree()
+    assert tree.num_rows == 5
+    kv = workers["target"].health().kv_bytes
+    for name, (bad, field) in malformed_trees(tree, tree.prefix_len).items():
+        assert refused(workers["target"], "Verify", probe.verify_msg(bad)) == (INVALID, field), name
+    assert workers["target"].health().kv_bytes == kv
+    probe.verify()
+    call(workers["target"], "Release", pb.Release(ref=probe.ref()))
 
 
 def test_a_batch_serves_each_call_as_alone_and_a_refused_call_changes_nothing_for_the_others(workers):
     """One Batch call carries a request's Verify, another request's malformed tree, a second call for the first
     request and bytes that are no message: the first is served as if it had come alone, each other one is refused
-    with its own status naming its field, and both requests then finish as the engine generates them."""
-    good, bad = Live(workers, "batch-good"), Live(workers, "batch-bad")
+    with its own status naming its field; both requests then verify as the in-process target does."""
+    good, bad = TargetOnly(workers, "batch-good"), TargetOnly(workers, "batch-bad")
     target = workers["target"]
-    steps = good.target.verify_steps(good.proposal.tree, good.version, good.request.sampling)
-    verify = next(steps).call  # the proxy's own call, as the coordinator's round driver sends it
-    sent = verify.build().SerializeToString()
-    tree, field = malformed_trees(bad.proposal.tree, bad.proposal.tree.prefix_len)["cycle"]
-    batch = pb.CallBatch(method="Verify", calls=[sent, bad.verify_msg(tree).SerializeToString(), sent, b"\xff\xff\xff"])
+    tree = good.tree()
+    sent = good.verify_msg(tree, "good").SerializeToString()
+    malformed, field = malformed_trees(bad.tree(), bad.tree().prefix_len)["cycle"]
+    batch = pb.CallBatch(method="Verify", calls=[sent, bad.verify_msg(malformed).SerializeToString(), sent, b"\xff\xff\xff"])
     results = pb.CallBatchReply.FromString(call(target, "Batch", batch)).results
     invalid = INVALID.value[0]
     assert [(r.code, r.field) for r in results] == [(0, ""), (invalid, field), (invalid, "request_id"), (invalid, "message")]
     assert len(results[0].seconds) == 5 and results[0].seconds[3] > 0  # decode, queue, batch, compute, encode
-    assert [[f.rows for f in r.forwards] for r in results] == [[good.proposal.tree.num_rows], [], [], []]  # refused: none ran
-    with pytest.raises(StopIteration) as served:
-        steps.send(verify.parse(pb.Verification.FromString(results[0].reply)))
-    assert good.finish(served.value.value) == expected_output(workers)
-    assert bad.finish() == expected_output(workers)
+    assert [[f.rows for f in r.forwards] for r in results] == [[tree.num_rows], [], [], []]  # refused: none ran
+    good.check(pb.Verification.FromString(results[0].reply), tree, "good")
+    bad.verify()
+    for probe in (good, bad):
+        call(target, "Release", pb.Release(ref=probe.ref()))
     assert refused(target, "Batch", pb.CallBatch(method="Commit")) == (INVALID, "method")  # only a round's calls batch
     assert refused(workers["draft"], "Batch", pb.CallBatch(method="Verify")) == (INVALID, "method")
     assert pb.CallBatchReply.FromString(call(target, "Batch", pb.CallBatch(method="Verify"))).results == []
@@ -217,17 +270,41 @@ def test_a_batch_serves_each_call_as_alone_and_a_refused_call_changes_nothing_fo
     assert [(r.code, r.field) for r in nameless] == [(invalid, "request_id")] * 2  # answered, neither waits for the other
 
 
-def test_each_round_call_reports_the_forwards_it_ran(workers):
-    """A Draft and a Verify call come back with the model forwards the worker ran for them (rows, batch-mates' among
-    them, and seconds): what tree auto prices trees with in a service, as an engine's forwards do in process. A
-    verification alone is one forward of its tree's rows; drafting is one forward per level of the tree."""
+def test_a_round_batch_refuses_each_bad_call_alone(workers):
+    """A draft worker's Batch of Rounds: a request's Round as the proxy sends it, a Round at a stale version, a second
+    call for the same request and bytes that are no message; the first is served (its tree verified by the target
+    behind it), the others refused naming their fields, and the request finishes as the engine generates it."""
+    live = Live(workers, "round-batch")
+    steps = live.pair.propose_steps(live.version, live.request.root_token, live.engine.tree)
+    round_call = next(steps).call  # the proxy's own call, as the coordinator's round driver sends it
+    sent = round_call.build().SerializeToString()
+    stale = live.round_msg(version=live.version - 1).SerializeToString()
+    batch = pb.CallBatch(method="Round", calls=[sent, b"\xff", sent])
+    results = pb.CallBatchReply.FromString(call(workers["draft"], "Batch", batch)).results
+    invalid = INVALID.value[0]
+    assert [(r.code, r.field) for r in results] == [(0, ""), (invalid, "message"), (invalid, "request_id")]
+    with pytest.raises(StopIteration) as served:
+        steps.send(round_call.parse(pb.RoundReply.FromString(results[0].reply)))
+    proposal = served.value.value
+    # the same word again, after the round it published: the draft worker now holds another round's verification
+    assert refused(workers["draft"], "Round", pb.RoundRequest.FromString(stale)) == (PRECONDITION, "publish.round_id")
+    verification = live.pair.verified(proposal.tree, live.version, live.request.sampling)
+    assert verification.decision.accepted_rows[0] == 0
+    publish(live.request, verification.decision, verification.features, live.pair, live.pair)
+    assert live.finish() == expected_output(workers)
+
+
+def test_each_round_reports_the_forwards_each_worker_ran(workers):
+    """A Round comes back with the model forwards each worker ran for it (rows, batch-mates' among them, and seconds):
+    what tree auto prices trees with in a service, as an engine's forwards do in process. Drafting is one forward per
+    level of the tree; a verification alone is one forward of its tree's rows."""
     live = Live(workers, "forwards")
-    depth = live.engine.tree.depth
-    assert len(live.draft.forwards) == depth and all(rows > 0 and seconds > 0 for rows, seconds in live.draft.forwards)
-    verification = live.target.verify(live.proposal.tree, live.version, live.request.sampling)
-    [(rows, seconds)] = live.target.forwards
-    assert rows == live.proposal.tree.num_rows and seconds > 0
-    assert live.finish(verification) == expected_output(workers)
+    record = run_round(live.request, live.pair, live.pair, live.engine.tree)
+    assert len(live.pair.draft_forwards) == live.engine.tree.depth
+    assert all(rows > 0 and seconds > 0 for rows, seconds in live.pair.draft_forwards)
+    [(rows, seconds)] = live.pair.target_forwards
+    assert rows == record.tree.num_rows and seconds > 0
+    assert live.finish() == expected_output(workers)
 
 
 def test_the_proxy_refuses_a_batch_result_with_forwards_that_are_not_forwards():
@@ -263,28 +340,31 @@ def test_the_proxy_refuses_a_batch_result_with_forwards_that_are_not_forwards():
 
 
 def test_stale_and_future_versions_are_refused_at_every_versioned_endpoint(workers):
-    live = Live(workers, "versions", temperature=0.9)
-    v = live.version
+    live, probe = Live(workers, "versions", temperature=0.9), TargetOnly(workers, "versions-target")
+    probe.verify()
+    v = probe.version
     for version in (v - 1, v + 1):
-        assert refused(workers["target"], "Verify", live.verify_msg(version=version)) == (PRECONDITION, "version")
-        assert refused(workers["draft"], "Draft", live.draft_msg(version=version)) == (PRECONDITION, "version")
-    for version in (v - 2, v + 1):
-        commit = pb.Commit(ref=live.ref(version), accepted_rows=[0], round_id=live.target.round_id)
+        assert refused(workers["target"], "Verify", probe.verify_msg(version=version)) == (PRECONDITION, "version")
+    for version in (live.version - 1, live.version + 1):
+        assert refused(workers["draft"], "Round", live.round_msg(version=version)) == (PRECONDITION, "version")
+    for version in (live.version - 2, live.version + 1):  # (at v - 1 the same rows would be a retry, applied already)
+        commit = pb.Commit(ref=live.ref(version), accepted_rows=[0], round_id=live.pair.round_id)
         assert refused(workers["target"], "Commit", commit) == (PRECONDITION, "version")
-        assert refused(workers["draft"], "Reseed", live.reseed_msg(version=version)) == (PRECONDITION, "version")
+    probe.verify()
+    call(workers["target"], "Release", pb.Release(ref=probe.ref()))
     assert live.finish() == expected_output(workers, temperature=0.9)
 
 
 def test_unknown_requests_and_wrong_manifests_are_refused_at_every_endpoint(workers):
     live = Live(workers, "ids")
     target, draft = workers["target"], workers["draft"]
-    features = wire.tensor_to_proto(live.features)
+    features = wire.tensor_to_proto(torch.zeros(1, workers["infos"][1].feature_width))
     for ref, expected in ((dict(request_id="nobody"), (grpc.StatusCode.NOT_FOUND, "request_id")), (dict(manifest_id="0" * 16), (PRECONDITION, "manifest_id"))):
-        assert refused(target, "Verify", live.verify_msg(**ref)) == expected
+        assert refused(target, "Verify", pb.VerifyRequest(ref=live.ref(**ref), round_id="r")) == expected
         assert refused(target, "Commit", pb.Commit(ref=live.ref(**ref), accepted_rows=[0])) == expected
         assert refused(target, "Release", pb.Release(ref=live.ref(**ref))) == expected
-        assert refused(draft, "Draft", live.draft_msg(**ref)) == expected
-        assert refused(draft, "Reseed", live.reseed_msg(**ref)) == expected
+        assert refused(draft, "Round", live.round_msg(publish=False, **ref)) == expected
+        assert refused(draft, "Reseed", pb.Reseed(ref=live.ref(**ref), features=features, tokens=[1])) == expected
         assert refused(draft, "Release", pb.Release(ref=live.ref(**ref))) == expected
     wrong = live.ref(request_id="fresh", manifest_id="0" * 16)
     assert refused(target, "Prefill", pb.Prefill(ref=wrong, tokens=[1, 2])) == (PRECONDITION, "manifest_id")
@@ -296,34 +376,56 @@ def test_unknown_requests_and_wrong_manifests_are_refused_at_every_endpoint(work
 
 
 def test_bad_payloads_are_refused_naming_the_field(workers):
-    live = Live(workers, "payloads")
+    live, probe = Live(workers, "payloads"), TargetOnly(workers, "payloads-target")
     target, draft = workers["target"], workers["draft"]
     fresh = live.ref(request_id="fresh", version=0)
     narrow = wire.tensor_to_proto(torch.zeros(1, 3))
     assert refused(target, "Prefill", pb.Prefill(ref=fresh, tokens=[1, 500])) == (INVALID, "tokens")
     assert refused(draft, "Start", pb.DraftStart(ref=fresh, features=narrow, tokens=[1])) == (INVALID, "features.shape")
-    assert refused(draft, "Draft", live.draft_msg(root=500)) == (INVALID, "root_token")
-    assert refused(draft, "Draft", live.draft_msg(policy=TreePolicy(4, 4, 100))) == (INVALID, "budget")
-    floorless = live.draft_msg()
-    floorless.policy.stop = 1.5
-    assert refused(draft, "Draft", floorless) == (INVALID, "stop")
-    bad_reseed = live.reseed_msg(version=live.version - 1)
-    bad_reseed.features.CopyFrom(narrow)
+    assert refused(draft, "Round", live.round_msg(root=500)) == (INVALID, "draft.root_token")
+    assert refused(draft, "Round", live.round_msg(policy=TreePolicy(4, 4, 100))) == (INVALID, "draft.policy.budget")
+    floorless = live.round_msg()
+    floorless.draft.policy.stop = 1.5
+    assert refused(draft, "Round", floorless) == (INVALID, "stop")
+    no_policy = live.round_msg()
+    no_policy.draft.ClearField("policy")
+    assert refused(draft, "Round", no_policy) == (INVALID, "draft.policy")
+    assert refused(draft, "Round", live.round_msg(round_id="")) == (INVALID, "round_id")
+    assert refused(draft, "Round", live.round_msg(target="")) == (INVALID, "target")
+    hot = live.round_msg()
+    hot.sampling.temperature = -1.0
+    assert refused(draft, "Round", hot) == (INVALID, "temperature")
+    other_word = live.round_msg()
+    other_word.publish.round_id = "another"
+    assert refused(draft, "Round", other_word) == (PRECONDITION, "publish.round_id")
+    forged = live.round_msg()
+    forged.publish.tokens[-1] = (forged.publish.tokens[-1] + 1) % 96
+    assert refused(draft, "Round", forged) == (INVALID, "publish.tokens")
+    bad_reseed = pb.Reseed(ref=live.ref(version=live.version - 1), features=narrow, tokens=[live.request.root_token])
     assert refused(draft, "Reseed", bad_reseed) == (INVALID, "features.shape")
-    assert refused(target, "Verify", pb.VerifyRequest(ref=live.ref())) == (INVALID, "tree")
-    empty_tree = live.verify_msg()
+    assert refused(target, "Verify", pb.VerifyRequest(ref=probe.ref())) == (INVALID, "tree")
+    empty_tree = probe.verify_msg()
     empty_tree.tree.tokens.Clear()
     assert refused(target, "Verify", empty_tree) == (INVALID, "tree.tokens.dtype")
-    assert refused(draft, "Draft", pb.DraftRequest(ref=live.ref(), root_token=live.request.root_token)) == (INVALID, "policy")
-    assert refused(target, "Verify", live.verify_msg(round_id="")) == (INVALID, "round_id")
-    assert refused(target, "Verify", live.verify_msg(round_id="r" * 65)) == (INVALID, "round_id")
+    assert refused(target, "Verify", probe.verify_msg(round_id="")) == (INVALID, "round_id")
+    assert refused(target, "Verify", probe.verify_msg(round_id="r" * 65)) == (INVALID, "round_id")
     assert refused(target, "Prefill", pb.Prefill(ref=fresh, tokens=[1] * 4096)) == (INVALID, "tokens")  # past the model's positions
     assert refused(draft, "Reseed", pb.Reseed(ref=live.ref(), tokens=[1] * (TREE["depth"] + 2))) == (INVALID, "tokens")
     assert refused(target, "Release", pb.Release(ref=live.ref(request_id="x" * 129))) == (INVALID, "request_id")
-    raw = workers["target"]._channel.unary_unary(f"/{target.service}/Verify")
+    raw = target._channel.unary_unary(f"/{target.service}/Verify")
     with pytest.raises(grpc.RpcError) as err:
         raw(b"\xff\xff\xff", timeout=30, metadata=((TOKEN_KEY, KEY),))
     assert err.value.code() == INVALID
+    probe.verify()
+    call(target, "Release", pb.Release(ref=probe.ref()))
+    assert live.finish() == expected_output(workers)
+
+
+def test_a_round_whose_target_is_gone_fails_naming_the_target_and_changes_nothing(workers):
+    """A Round names a target nobody serves: the draft worker answers UNAVAILABLE naming `target` (the coordinator
+    then rebuilds on another target), and the request, on its own target, finishes as before."""
+    live = Live(workers, "gone")
+    assert refused(workers["draft"], "Round", live.round_msg(target="127.0.0.1:9")) == (grpc.StatusCode.UNAVAILABLE, "target")
     assert live.finish() == expected_output(workers)
 
 
@@ -343,10 +445,10 @@ def test_workers_take_calls_only_with_their_service_credential_even_on_loopback(
     for key in (None, "guess"):
         for client, method, msg in (
             (target, "Health", pb.WorkerHealthRequest()),
-            (target, "Verify", live.verify_msg()),
+            (target, "Verify", pb.VerifyRequest(ref=live.ref(), round_id="r")),
             (target, "Release", pb.Release(ref=live.ref())),
             (draft, "Release", pb.Release(ref=live.ref())),
-            (draft, "Draft", live.draft_msg()),
+            (draft, "Round", live.round_msg()),
         ):
             with pytest.raises(grpc.RpcError) as err:
                 call(client, method, msg, key)
@@ -366,21 +468,19 @@ def test_a_worker_advertises_the_loopback_address_it_binds(workers):
 
 
 def test_a_commit_names_its_round_and_a_verify_never_replaces_another_rounds_tree(workers):
-    live = Live(workers, "rounds")
-    target, request = workers["target"], live.request
-    verification = live.target.verify(live.proposal.tree, live.version, request.sampling)  # provisional under its round
-    rows = verification.decision.accepted_rows
+    probe = TargetOnly(workers, "rounds")
+    target = workers["target"]
+    tree = probe.tree()
+    reply = pb.Verification.FromString(call(target, "Verify", probe.verify_msg(tree, "mine")))  # provisional under its round
+    rows = reply.decision.accepted_rows
     kv = target.health().kv_bytes
-    assert refused(target, "Verify", live.verify_msg(round_id="intruder")) == (PRECONDITION, "round_id")
-    assert refused(target, "Commit", pb.Commit(ref=live.ref(), accepted_rows=rows, round_id="intruder")) == (PRECONDITION, "round_id")
-    assert refused(target, "Commit", pb.Commit(ref=live.ref(), accepted_rows=rows)) == (PRECONDITION, "round_id")
+    assert refused(target, "Verify", probe.verify_msg(round_id="intruder")) == (PRECONDITION, "round_id")
+    assert refused(target, "Commit", pb.Commit(ref=probe.ref(), accepted_rows=rows, round_id="intruder")) == (PRECONDITION, "round_id")
+    assert refused(target, "Commit", pb.Commit(ref=probe.ref(), accepted_rows=rows)) == (PRECONDITION, "round_id")
     assert target.health().kv_bytes == kv
-    publish(request, verification.decision, verification.features, live.target, live.draft)
-    while not request.done:
-        run_round(request, live.draft, live.target, live.engine.tree)
-    live.draft.release()
-    live.target.release()
-    assert request.output == expected_output(workers)
+    probe.check(reply, tree, "mine")
+    probe.verify()
+    call(target, "Release", pb.Release(ref=probe.ref()))
 
 
 def test_a_pool_that_cannot_be_placed_fails_naming_pool_and_resources(workers):
@@ -391,31 +491,23 @@ def test_a_pool_that_cannot_be_placed_fails_naming_pool_and_resources(workers):
 
 
 def test_a_verify_carrying_a_commit_with_a_bad_tree_applies_neither(workers):
-    """A Commit may ride on the next Verify; if that Verify is refused, the carried commit is not applied either."""
-    live = Live(workers, "carried")
-    engine, request, target = live.engine, live.request, workers["target"]
-    verification = live.target.verify(live.proposal.tree, live.version, request.sampling)  # branch rows now provisional
-    decision = verification.decision
-    request.commit(live.version, [*decision.accepted_tokens, decision.frontier_token])  # publish without the target
-    live.draft.reseed(live.version, verification.features, [*decision.accepted_tokens, decision.frontier_token])
-    proposal = live.draft.propose(request.version, request.root_token, engine.tree)
-    carried = pb.Commit(ref=live.ref(live.version), accepted_rows=decision.accepted_rows, round_id=live.target.round_id)
-    live.version = request.version
+    """A Commit rides on the next Verify; if that Verify is refused, the carried commit is not applied either."""
+    probe = TargetOnly(workers, "carried")
+    target = workers["target"]
+    tree = probe.tree()
+    reply = pb.Verification.FromString(call(target, "Verify", probe.verify_msg(tree, "first")))  # branch rows provisional
+    served = wire.verification_from_proto(reply, workers["infos"][1].feature_width)
+    carried = pb.Commit(ref=probe.ref(), accepted_rows=served.decision.accepted_rows, round_id="first")
+    local = probe.local.verify(tree, probe.version, probe.sampling)
+    probe.local.commit(probe.version, local.decision.accepted_rows)  # in process, as the carried commit will do there
+    probe.root = local.decision.frontier_token
     kv_before = target.health().kv_bytes
-    for tree, field in malformed_trees(proposal.tree, proposal.tree.prefix_len).values():
-        msg = live.verify_msg(tree)
+    for bad, field in malformed_trees(probe.tree(), probe.local.committed).values():
+        msg = probe.verify_msg(bad, "second")
         msg.commit.CopyFrom(carried)
         assert refused(target, "Verify", msg) == (INVALID, field)
         assert target.health().kv_bytes == kv_before  # the branch rows are all still there: no commit happened
-    live.proposal = proposal
-    msg = live.verify_msg()
+    msg = probe.verify_msg(probe.tree(), "second")
     msg.commit.CopyFrom(carried)
-    reply = pb.Verification.FromString(call(target, "Verify", msg))
-    live.target.round_id = msg.round_id  # the tree is now provisional under this call's round, which the commit names
-    verification = wire.verification_from_proto(reply, workers["infos"][1].feature_width)
-    publish(request, verification.decision, verification.features, live.target, live.draft)
-    while not request.done:
-        run_round(request, live.draft, live.target, engine.tree)
-    live.draft.release()
-    live.target.release()
-    assert request.output == expected_output(workers)
+    probe.check(pb.Verification.FromString(call(target, "Verify", msg)), probe.tree(), "second")
+    call(target, "Release", pb.Release(ref=probe.ref()))
