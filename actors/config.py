@@ -227,6 +227,7 @@ class ServiceConfig:
             draft_ahead=self.draft_ahead,
             kv_slots=self.kv_slots,
             emulate=self.emulate,
+            rpc_timeout_s=self.rpc_timeout_s,
         )
 
     def check_target_split(self) -> None:

@@ -110,8 +110,7 @@ class Coordinator:
         self.running = 0  # requests being served now (the concurrency label of metrics)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
-        # every request's rounds, whose calls to a worker travel together
-        self.rounds = RoundDriver(lambda pool, calls: self.metrics.batch_calls.labels(pool).observe(calls))
+        self.rounds: RoundDriver | None = None  # every request's rounds, on the event loop (`start`)
         self._frontdoor: FrontDoor | None = None
         self._stopped: asyncio.Event | None = None
         self.ray_address = ""
@@ -126,6 +125,7 @@ class Coordinator:
         """Take the front door's port (a busy one fails here, before any worker starts), bring up both pools,
         then serve; returns the front door's address once every pool is ready."""
         self._stopped = asyncio.Event()
+        self.rounds = RoundDriver(asyncio.get_running_loop(), lambda pool, calls: self.metrics.batch_calls.labels(pool).observe(calls))
         self.ray_address = ray.get_runtime_context().gcs_address
         self._frontdoor = FrontDoor(self)
         bound = self._frontdoor.bind(self.config.host, port, self.config.shared_token, self.config.max_request_bytes)
@@ -155,7 +155,8 @@ class Coordinator:
             await self._frontdoor.stop()
         await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
-        self.rounds.close()
+        if self.rounds is not None:
+            self.rounds.close()
         self.metrics.close()
         if self.trace is not None:
             self.trace.close()

@@ -37,7 +37,7 @@ from eyas.v1 import tensor_pb2 as tpb
 
 from .errors import STATUS_CODES, ServiceError
 from .limits import MAX_ID_BYTES, MAX_ROUND_ID_BYTES
-from .server import WORKER_MESSAGE_BYTES, Clock
+from .server import CHANNEL_OPTIONS, Clock
 from .worker import Served, Worker
 
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -274,7 +274,7 @@ class DraftWorker(Worker):
     def _target(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
         """The Batch method of the target worker at `address`, over a channel kept for it."""
         if address not in self._targets:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", WORKER_MESSAGE_BYTES), ("grpc.max_send_message_length", WORKER_MESSAGE_BYTES)])
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._targets[address] = channel.unary_unary(f"/{pb.DESCRIPTOR.services_by_name['TargetWorker'].full_name}/Batch")
         return self._targets[address]
 

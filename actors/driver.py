@@ -1,21 +1,21 @@
-"""The coordinator's rounds, driven together: the calls waiting for a worker go to it as one Batch call.
+"""The coordinator's rounds, driven together on its event loop: the calls waiting for a worker go to it as one Batch.
 
-Each request is served on its own thread (placement, rebuilds, streaming), and each hands its rounds to
-one `RoundDriver`. A round is the engine's own operation (`eyas.rounds.round_steps`); over remote
-sessions it yields its Draft and Verify calls (`actors.proxy.RemoteCall`) where a local session yields
-forwards. The driver sends the calls waiting for a worker as one Batch call as soon as that worker has
-none in flight, so the worker runs them in one batched forward, and a Batch takes at most half of the
-requests the worker serves: the requests settle into two groups, one drafting while the other verifies,
-so both pools work at once (docs/wire.md, "Batched calls").
+Each request is served on its own thread (placement, rebuilds, streaming), and each hands its rounds to one
+`RoundDriver`. A round is the engine's own operation (`eyas.rounds.round_steps`); over remote sessions it yields
+its Round call (`actors.proxy.RemoteCall`) where a local session yields forwards. The driver runs on the
+coordinator's event loop: it sends the calls waiting for a worker as one Batch call (an asynchronous call, so no
+thread waits on the wire) as soon as that worker has none in flight, and resumes each round where its reply
+arrives. A Batch takes at most half of the requests the worker serves: the requests settle into two groups, one
+drafting while the other verifies, so both pools work at once (docs/wire.md, "Batched calls").
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from eyas.steps import Steps
@@ -23,7 +23,7 @@ from eyas.steps import Steps
 from .proxy import RemoteCall, WorkerClient
 
 T = TypeVar("T")
-GROUPS = 2  # request groups in flight on a worker pair: one drafting while the other verifies
+GROUPS = 2  # request groups in flight on a worker: one drafting while the other verifies
 
 
 class _Rounds:
@@ -40,58 +40,37 @@ class _Rounds:
 
 
 class RoundDriver:
-    """Drives the requests' rounds handed to it on one thread; their calls travel as Batch calls, one in flight
-    per worker.
+    """Drives the requests' rounds handed to it on `loop`; their calls travel as Batch calls, one in flight per worker.
 
-    `run` blocks the calling (request) thread until the operation it handed over has ended, and returns its
-    result or raises its error. A refused call fails only its own request's round; a lost worker fails the
-    rounds of every request in the batch, each of which its request's thread rebuilds as before.
+    `run` blocks the calling (request) thread until the operation it handed over has ended, and returns its result or
+    raises its error. A refused call fails only its own request's round; a lost worker fails the rounds of every
+    request in the batch, each of which its request's thread rebuilds.
     """
 
-    def __init__(self, observe: Callable[[str, int], None] = lambda role, calls: None, name: str = "eyas-rounds"):
+    def __init__(self, loop: asyncio.AbstractEventLoop, observe: Callable[[str, int], None] = lambda role, calls: None):
         """`observe(role, calls)` hears of every Batch call sent to a worker of that pool (the service's metrics)."""
+        self.loop = loop
         self.observe = observe
-        self._cond = threading.Condition()
-        self._arrived: list[_Rounds] = []
-        self._answered: list[tuple[tuple[WorkerClient, str], list[tuple[_Rounds, RemoteCall]], list]] = []
         self._waiting: dict[tuple[WorkerClient, str], list[tuple[_Rounds, RemoteCall]]] = {}
         self._in_flight: set[tuple[WorkerClient, str]] = set()
         self._members: Counter[WorkerClient] = Counter()  # rounds in the driver that call each worker
-        self._senders = ThreadPoolExecutor(thread_name_prefix=f"{name}-send")
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._closed = False
 
     def run(self, steps: Steps[T], workers: tuple[WorkerClient, ...]) -> T:
         """Drive `steps` (a request's rounds, an operation that calls `workers`); returns its result (or raises its
         error) once it has ended."""
         rounds = _Rounds(steps, workers)
-        with self._cond:
-            self._arrived.append(rounds)
-            self._cond.notify()
+        self.loop.call_soon_threadsafe(self._arrive, rounds)
         return rounds.future.result()
 
     def close(self) -> None:
-        """Stop sending (once no request thread is left to hand a round over): a round still waiting then fails,
-        and Batch calls in flight end on their own (their workers answer or time out)."""
-        self._senders.shutdown(wait=False, cancel_futures=True)
+        """Stop sending: a round that asks for a call from now on fails; Batch calls in flight end on their own."""
+        self._closed = True
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._arrived and not self._answered:
-                    self._cond.wait()
-                arrived, self._arrived = self._arrived, []
-                answered, self._answered = self._answered, []
-            for rounds in arrived:
-                self._members.update(rounds.workers)
-                self._resume(rounds, None, None)
-            for key, sent, outcomes in answered:
-                self._in_flight.discard(key)
-                for (rounds, _), outcome in zip(sent, outcomes):
-                    if isinstance(outcome, BaseException):
-                        self._resume(rounds, None, outcome)
-                    else:
-                        self._resume(rounds, outcome, None)
-            self._send()
+    def _arrive(self, rounds: _Rounds) -> None:
+        self._members.update(rounds.workers)
+        self._resume(rounds, None, None)
+        self._send()
 
     def _resume(self, rounds: _Rounds, value: Any, error: BaseException | None) -> None:
         """Run a request's rounds on to their next call (queued for that worker) or to their end."""
@@ -121,18 +100,21 @@ class RoundDriver:
                 call.timing.queue += now - rounds.asked  # waiting here for the worker, behind the other group
             self._in_flight.add(key)
             self.observe(key[0].role, len(sent))
-            try:
-                self._senders.submit(self._send_batch, key, sent)
-            except RuntimeError as exc:  # closed: the rounds end with the error, their requests fail as they would
-                with self._cond:
-                    self._answered.append((key, sent, [exc] * len(sent)))
+            self.loop.create_task(self._send_batch(key, sent))
 
-    def _send_batch(self, key: tuple[WorkerClient, str], sent: list[tuple[_Rounds, RemoteCall]]) -> None:
-        """On a sender thread: one Batch call, whose per-call outcomes the driver's thread takes up."""
+    async def _send_batch(self, key: tuple[WorkerClient, str], sent: list[tuple[_Rounds, RemoteCall]]) -> None:
+        """One Batch call; each round resumes with its call's outcome."""
+        calls = [call for _, call in sent]
         try:
-            outcomes = key[0].run_each([call for _, call in sent])
-        except Exception as exc:  # the client refused to send (closed): every call fails with it
-            outcomes = [exc] * len(sent)
-        with self._cond:
-            self._answered.append((key, sent, outcomes))
-            self._cond.notify()
+            if self._closed:
+                raise RuntimeError("the service is stopping: no more calls are sent")
+            outcomes = await key[0].run_each_async(calls)
+        except Exception as exc:  # every call of the batch ends with it; each request fails or rebuilds as it would
+            outcomes = [exc] * len(calls)
+        self._in_flight.discard(key)
+        for (rounds, _), outcome in zip(sent, outcomes):
+            if isinstance(outcome, BaseException):
+                self._resume(rounds, None, outcome)
+            else:
+                self._resume(rounds, outcome, None)
+        self._send()

@@ -11,6 +11,7 @@ call's time is split into RPC, serialization, queueing and compute.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -33,7 +34,7 @@ from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
 from .errors import STATUS_CODES
-from .server import PHASES, parse_timing
+from .server import CHANNEL_OPTIONS, PHASES, parse_timing
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -145,9 +146,8 @@ class WorkerClient:
         self.timeout = timeout
         self.service = pb.DESCRIPTOR.services_by_name["DraftWorker" if role == "draft" else "TargetWorker"].full_name
         self._metadata = call_metadata(token)
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
-        )
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._aio: tuple[grpc.aio.Channel, asyncio.AbstractEventLoop] | None = None  # a channel of the coordinator's loop
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._guard = threading.Lock()
         self._in_flight = 0
@@ -164,7 +164,13 @@ class WorkerClient:
             self._in_flight -= 1
             last = self._closed and self._in_flight == 0
         if last:
-            self._channel.close()
+            self._close_channels()
+
+    def _close_channels(self) -> None:
+        self._channel.close()
+        if self._aio is not None:
+            channel, loop = self._aio
+            asyncio.run_coroutine_threadsafe(channel.close(), loop)
 
     def _invoke(self, method: str, data: bytes, with_call: bool = False):
         """One unary call on the shared channel, which stays open until the call returns."""
@@ -213,26 +219,48 @@ class WorkerClient:
     def run_each(self, calls: list[RemoteCall]) -> list:
         """Send calls of one rpc (each for a different request) as one Batch call: per call, its parsed reply, or
         the exception it ended with (its own refusal, a reply that failed its receipt checks, or the worker lost)."""
-        method = calls[0].method
+        batch, builds = self._batch(calls)
+        t1 = time.perf_counter()
+        try:
+            raw = self._invoke("Batch", batch)
+        except grpc.RpcError as error:
+            return self._fail(calls, builds, self._translate(error), time.perf_counter() - t1)
+        return self._outcomes(calls, builds, raw, time.perf_counter() - t1)
+
+    async def run_each_async(self, calls: list[RemoteCall]) -> list:
+        """`run_each` on the running event loop: the Batch call waits there, no thread does."""
+        batch, builds = self._batch(calls)
+        t1 = time.perf_counter()
+        self._enter()
+        try:
+            if self._aio is None:  # made on the loop it serves
+                self._aio = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS), asyncio.get_running_loop()
+            raw = await self._aio[0].unary_unary(f"/{self.service}/Batch")(batch, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            return self._fail(calls, builds, self._translate(error), time.perf_counter() - t1)
+        finally:
+            self._leave()
+        return self._outcomes(calls, builds, raw, time.perf_counter() - t1)
+
+    @staticmethod
+    def _batch(calls: list[RemoteCall]) -> tuple[bytes, list[float]]:
+        """The calls as one CallBatch's bytes, and the seconds each took to build."""
         t0 = time.perf_counter()
         data, built = [], []
         for call in calls:
             data.append(call.build().SerializeToString())
             built.append(time.perf_counter())
-        batch = pb.CallBatch(method=method, calls=data).SerializeToString()
-        t1 = time.perf_counter()
         builds = [b - a for a, b in zip([t0, *built[:-1]], built)]
-        try:
-            raw = self._invoke("Batch", batch)
-        except grpc.RpcError as error:
-            return self._fail(calls, builds, self._translate(error), time.perf_counter() - t1)
-        t2 = time.perf_counter()
+        return pb.CallBatch(method=calls[0].method, calls=data).SerializeToString(), builds
+
+    def _outcomes(self, calls: list[RemoteCall], builds: list[float], raw: bytes, wall: float) -> list:
+        """Each call's parsed reply or exception from a CallBatchReply's bytes, charging each call's time."""
         try:
             results = pb.CallBatchReply.FromString(raw).results
         except DecodeError as exc:
-            return self._fail(calls, builds, wire.WireError("results", f"not a CallBatchReply: {exc}"), t2 - t1)
+            return self._fail(calls, builds, wire.WireError("results", f"not a CallBatchReply: {exc}"), wall)
         if len(results) != len(calls):
-            return self._fail(calls, builds, wire.WireError("results", f"{len(results)} results for {len(calls)} calls"), t2 - t1)
+            return self._fail(calls, builds, wire.WireError("results", f"{len(results)} results for {len(calls)} calls"), wall)
         outcomes = []
         for call, build, result in zip(calls, builds, results):
             t3 = time.perf_counter()
@@ -248,7 +276,7 @@ class WorkerClient:
                 call.forwards = forwards
             except Exception as exc:
                 outcomes.append(exc)
-            call.timing.charge(server, build + time.perf_counter() - t3, t2 - t1)
+            call.timing.charge(server, build + time.perf_counter() - t3, wall)
         return outcomes
 
     @staticmethod
@@ -297,7 +325,7 @@ class WorkerClient:
             self._closed = True
             idle = self._in_flight == 0
         if idle:
-            self._channel.close()
+            self._close_channels()
 
 
 class RemoteRequest:

@@ -20,6 +20,7 @@ from eyas.rpc import TOKEN_KEY
 
 TIMING_KEY = "eyas-timing"
 WORKER_MESSAGE_BYTES = 256 << 20  # largest message between coordinator and workers (a long prefill's features)
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", WORKER_MESSAGE_BYTES), ("grpc.max_send_message_length", WORKER_MESSAGE_BYTES)]
 PHASES = ("decode", "queue", "batch", "compute", "encode")
 
 

@@ -100,8 +100,8 @@ class Holder:
 
 
 def test_a_group_that_cannot_be_placed_fails_within_its_timeout(svc):
-    holder = Holder.remote()
-    ray.get(holder.ready.remote())  # 6 CPUs: 3 held by the service's workers, 2 by the holder, 1 free
+    holder = Holder.options(num_cpus=ray.available_resources()["CPU"] - 1).remote()
+    ray.get(holder.ready.remote())  # every CPU the service's workers left is held but one
     config = PoolConfig(tensor_parallel=2)
     pool = Pool("target", TargetWorker, config, svc["config"].worker_spec(config), ready_timeout=3, rpc_timeout=5)
     t0 = time.monotonic()
