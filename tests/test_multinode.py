@@ -12,12 +12,16 @@ from tests.helpers.servicekit import build_models, hf_greedy, service_config
 from eyas.client.client import Client
 from eyas.cluster.service import Service
 
+pytestmark = pytest.mark.slow  # a Ray cluster of several nodes
+
 PROMPTS = [[5, 17, 33, 8, 9], [7, 7, 7], [3], [11, 22, 33, 44, 55]]
 LENGTHS = [24, 16, 12, 20]
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    if ray.is_initialized():  # the session's one-node instance: this module needs a cluster of its own
+        pytest.fail("run tests/test_multinode.py before the modules that use the session's Ray (pytest's file order does)")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     draft_node = cluster.add_node(num_cpus=1, resources={"draft": 1})
     target_node = cluster.add_node(num_cpus=1, resources={"target": 1})

@@ -17,6 +17,8 @@ from tests.helpers.servicekit import EYAS, TREE, build_models, engine_outputs, s
 from eyas import Engine
 from eyas.client.client import Client, EyasError
 
+pytestmark = pytest.mark.slow  # `eyas serve` in subprocesses, each with its own Ray
+
 TOKEN = "serve-test-token"
 
 

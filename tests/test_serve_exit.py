@@ -15,7 +15,10 @@ from tests.helpers.servicekit import build_models, start_serve
 
 from eyas.client.client import Client
 
-pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")
+pytestmark = [
+    pytest.mark.slow,  # `eyas serve` in subprocesses, each with its own Ray
+    pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc"),
+]
 
 
 def listening() -> dict[int, tuple[str, int]]:

@@ -104,6 +104,7 @@ def chromium() -> str:
     pytest.fail("chromium is not installed: install Debian's chromium (apt-get install -y chromium), as .ci/run does")
 
 
+@pytest.mark.slow  # a real browser
 def test_the_html_page_draws_every_node_in_a_real_browser(recorded, tmp_path):
     path, target = recorded
     page = tmp_path / "trace.html"

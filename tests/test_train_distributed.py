@@ -12,6 +12,8 @@ from eyas.train.distributed import fit_distributed
 from eyas.train.recipe import Recipe
 from eyas.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # Ray Train workers
+
 
 @pytest.mark.parametrize("kind", ["hass", "eagle3"])
 def test_two_workers_match_one_on_the_same_global_batch(ray_session, tmp_path, kind):

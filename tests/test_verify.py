@@ -214,6 +214,7 @@ def exact_two_token_joint(engine, prompt, params):
     return first[:, None] * second
 
 
+@pytest.mark.slow  # 3000 sampled requests per case
 @pytest.mark.parametrize("top_p, speculate", [(1.0, True), (0.8, True), (0.8, False)])
 def test_engine_sampling_matches_the_exact_target_joint_distribution(small_vocab_engine, top_p, speculate):
     engine = small_vocab_engine

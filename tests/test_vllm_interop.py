@@ -25,6 +25,8 @@ from eyas.interop.vllm_env import VllmEnvError, VllmSession, ensure_vllm_python,
 from eyas.manifest import Manifest
 from tests.helpers.tiny import make_drafter, make_target
 
+pytestmark = pytest.mark.slow  # vLLM's own environment and engine starts
+
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 DRAFTERS = ("eagle1", "eagle3")  # demo drafter directories
 PROMPTS = [
