@@ -157,12 +157,12 @@ class Engine:
         draft_ahead: int = 0,
     ) -> "Engine":
         """The timed models of an emulated deployment (`eyas.emulation`, a profile or its name), in one process: the
-        target and the drafter share one device, the drafter stepping at the profile's co-located cost. Token-id
-        prompts only (no tokenizer); for benchmarks and capacity planning, never for exactness."""
+        target's forwards and the drafter's steps take turns on one device. Token-id prompts only (no tokenizer); for
+        benchmarks and capacity planning, never for exactness."""
         profile = profile if isinstance(profile, Profile) else load_profile(profile)
         device = EmulatedDevice()
         target = TimedTarget(profile, device, kv_slots, max_seq_len)
-        drafter = SyntheticDrafter(profile.law, profile.draft_colocated, device)
+        drafter = SyntheticDrafter(profile.law, profile.draft, device)
         return cls(target, drafter, emulated_manifest(profile), tree, draft_ahead, graphs=False)
 
     def sessions(self, request: RequestState, wait: bool = False) -> tuple[TargetSession, DraftSession]:

@@ -39,7 +39,7 @@ def test_bundled_profiles_load_and_name_their_sources():
     tp4 = load_profile("70b-tp4")
     assert tp4.target.seconds(1, [100]) == pytest.approx(tp4.target.seconds(64, [100]))  # memory-bound below the knee
     assert tp4.target.seconds(1000, [100]) > tp4.target.seconds(240, [100])
-    assert tp4.draft_colocated.fixed_ms < tp4.draft.fixed_ms
+    assert tp4.draft.seconds(1, [100]) < tp4.target.seconds(1, [100]) / 10  # a drafter step is cheap beside a verification
 
 
 @pytest.mark.parametrize(

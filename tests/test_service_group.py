@@ -100,7 +100,10 @@ class Holder:
 
 
 def test_a_group_that_cannot_be_placed_fails_within_its_timeout(svc):
-    holder = Holder.options(num_cpus=ray.available_resources()["CPU"] - 1).remote()
+    service = svc["config"]
+    reserved = service.draft_pool.replicas * service.draft_pool.num_cpus
+    reserved += service.target_pool.replicas * service.target_pool.tensor_parallel * service.target_pool.num_cpus
+    holder = Holder.options(num_cpus=ray.cluster_resources()["CPU"] - reserved - 1).remote()
     ray.get(holder.ready.remote())  # every CPU the service's workers left is held but one
     config = PoolConfig(tensor_parallel=2)
     pool = Pool("target", TargetWorker, config, svc["config"].worker_spec(config), ready_timeout=3, rpc_timeout=5)

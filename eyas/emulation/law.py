@@ -55,11 +55,13 @@ def target_logits(h: torch.Tensor, law: Law) -> torch.Tensor:
 
 def draft_candidates(h: torch.Tensor, law: Law, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[R] hashes -> the drafter's k likeliest tokens [R, k] and their probabilities [R, k] float64: the target's
-    ranking with its top token moved to the rank `law.agree` draws (last when none)."""
+    ranking with its top token moved to the rank `law.agree` draws; past those ranks, further down with odds halving
+    rank by rank."""
     ranks = len(law.agree)
     cumulative = torch.tensor(law.agree, dtype=torch.float64).cumsum(0)
     rank = (uniform(h, 2)[:, None] >= cumulative).sum(-1)  # [R] in [0, len(agree)]
-    rank = torch.where(rank == ranks, law.ranked - 1, rank)
+    beyond = ranks + (torch.log(1 - uniform(h, 3)) / -torch.log(torch.tensor(2.0, dtype=torch.float64))).long()  # geometric
+    rank = torch.where(rank == ranks, beyond.clamp(max=law.ranked - 1), rank)
     j = torch.arange(law.ranked)
     source = torch.where(j < rank[:, None], j + 1, torch.where(j == rank[:, None], 0, j))  # [R, ranked]
     order = ranked_tokens(h, law).gather(1, source)

@@ -1,8 +1,8 @@
 """Cost profiles of emulated accelerators: how long a forward takes, by rows, context and batch (docs/emulation.md).
 
 A profile is a YAML file (bundled ones in configs/emulate/, named by their stem) with the cost of one target
-forward, one drafter step on a draft worker's device and one beside the target in the same process, the features'
-width and dtype on the wire, and the synthetic law the timed models follow (`eyas.emulation.law`).
+forward and one drafter step, the features' width and dtype on the wire, and the synthetic law the timed models
+follow (`eyas.emulation.law`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class ForwardCost:
 class Law:
     """The synthetic models' law: `vocab` tokens; a context is its last `context` tokens; the target ranks `ranked`
     tokens with logits falling by `sharpness` (x 0.5-1.5 by context) per rank; the drafter ranks the target's top
-    token first with probability agree[0], second with agree[1], ... (else last), with confidence `confident` or
-    `unsure` (its logits' fall per rank) as it agrees or not."""
+    token first with probability agree[0], second with agree[1], ... (else further down, odds halving per rank), with
+    confidence `confident` or `unsure` (its logits' fall per rank) as it agrees or not."""
 
     vocab: int = 1024
     context: int = 4
@@ -60,7 +60,6 @@ class Profile:
     name: str
     target: ForwardCost
     draft: ForwardCost
-    draft_colocated: ForwardCost
     feature_width: int = 2048
     feature_dtype: str = "bfloat16"
     max_positions: int = 4096
@@ -76,7 +75,6 @@ class Profile:
             "description": self.description,
             "target_forward": vars(self.target),
             "draft_step": vars(self.draft),
-            "draft_step_colocated": vars(self.draft_colocated),
             "features": {"width": self.feature_width, "dtype": self.feature_dtype},
             "law": {**vars(self.law), "agree": list(self.law.agree)},
             "sources": self.sources,
@@ -107,8 +105,6 @@ def profile_from_dict(data: dict, default_name: str = "") -> Profile:
     """A profile from its YAML mapping; an unknown key or a bad value is refused, naming it."""
     data = dict(data)
     costs = {key: _cost(data.pop(key, None), key) for key in ("target", "draft")}
-    colocated = data.pop("draft_colocated", None)
-    costs["draft_colocated"] = costs["draft"] if colocated is None else _cost(colocated, "draft_colocated")
     law = _law(data.pop("law", None) or {})
     features = _known(data.pop("features", None) or {}, "features", {"width", "dtype"})
     name = str(data.pop("name", default_name))
@@ -116,7 +112,7 @@ def profile_from_dict(data: dict, default_name: str = "") -> Profile:
     sources = str(data.pop("sources", ""))
     max_positions = data.pop("max_positions", 4096)
     if data:
-        raise ProfileError(f"{sorted(data)[0]}: unknown key (expected name, description, sources, target, draft, draft_colocated, features, law, max_positions)")
+        raise ProfileError(f"{sorted(data)[0]}: unknown key (expected name, description, sources, target, draft, features, law, max_positions)")
     width, dtype = features.get("width", 2048), features.get("dtype", "bfloat16")
     if type(width) is not int or width < 3:
         raise ProfileError(f"features.width: must be an integer >= 3, got {width!r}")
