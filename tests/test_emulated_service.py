@@ -1,0 +1,62 @@
+"""The service on timed models: its output equals the in-process engine's on the same emulated hardware, at 1 and 16
+concurrent requests, drafting ahead on and off, greedy and seeded; a worker killed under the load loses no committed
+token. (Exactness itself is tested on real models; here the service's machinery runs on the timed models'.)"""
+
+import os
+import random
+import signal
+
+import pytest
+from tests.helpers.servicekit import stream_while
+
+from eyas import Engine
+from eyas.actors.config import ServiceConfig
+from eyas.client.client import Client
+from eyas.cluster.service import Service
+
+TREE = {"width": 4, "depth": 5, "budget": 16}
+LENGTH = 48
+PROMPTS = [[random.Random(i).randrange(1024) for _ in range(12 + i)] for i in range(16)]
+SAMPLING = [{"temperature": 0.8, "seed": i} if i % 2 else {} for i in range(16)]
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["ahead-off", "ahead-2"])
+def svc(ray_session, request):
+    config = ServiceConfig.from_dict({
+        "models": {"emulate": "null"},
+        "tree": TREE,
+        "pools": {"draft": {"replicas": 2}, "target": {"replicas": 1}},
+        "service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "draft_ahead": request.param, "kv_slots": 16},
+    })
+    service = Service(config, port=0).start()
+    client = Client(service.address)
+    engine = Engine.emulated("null", tree=TREE, kv_slots=16, draft_ahead=request.param)
+    expected = [engine.generate(p, max_new_tokens=LENGTH, stop_at_eos=False, **o).token_ids for p, o in zip(PROMPTS, SAMPLING)]
+    yield {"client": client, "expected": expected}
+    client.close()
+    service.stop()
+
+
+def test_one_request_at_a_time_equals_the_engine(svc):
+    client = svc["client"]
+    assert client.status()["emulation"] == "null"
+    outputs = [client.generate(p, max_new_tokens=LENGTH, ignore_eos=True, **o).token_ids for p, o in zip(PROMPTS[:4], SAMPLING[:4])]
+    assert outputs == svc["expected"][:4]
+
+
+def test_sixteen_at_once_equal_the_engine(svc):
+    outputs, finals, _ = stream_while(svc["client"], PROMPTS, LENGTH, lambda: None, options=[{**o, "ignore_eos": True} for o in SAMPLING])
+    assert outputs == svc["expected"]
+    assert all(f.finish_reason == "length" for f in finals)
+
+
+def test_a_target_worker_killed_under_the_load_loses_no_committed_token(svc):
+    client = svc["client"]
+
+    def kill():
+        target = next(p for p in client.status()["pools"] if p["name"] == "target")["workers"][0]
+        os.kill(target["pid"], signal.SIGKILL)
+
+    outputs, finals, _ = stream_while(client, PROMPTS, LENGTH, kill, options=[{**o, "ignore_eos": True} for o in SAMPLING])
+    assert outputs == svc["expected"]
+    assert sum(f.stats["rebuilds"] for f in finals) >= 1
