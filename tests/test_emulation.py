@@ -31,7 +31,7 @@ def engine():
 
 
 def test_bundled_profiles_load_and_name_their_sources():
-    for name in ("null", "h200-1b", "70b-tp4"):
+    for name in ("null", "h200-1b", "70b-tp4", "70b-tp4-l4"):
         profile = load_profile(name)
         assert profile.name == name and profile.sources.startswith("docs/emulation.md#")
         assert profile.summary()["emulation"] is True
@@ -60,7 +60,7 @@ def test_a_malformed_profile_is_refused_naming_the_key(data, field):
 
 
 def test_an_unknown_profile_names_the_bundled_ones():
-    with pytest.raises(ProfileError, match="bundled: 70b-tp4, h200-1b, null"):
+    with pytest.raises(ProfileError, match="bundled: 70b-tp4, 70b-tp4-l4, h200-1b, null"):
         load_profile("h100-8x")
 
 

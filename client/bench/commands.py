@@ -95,6 +95,17 @@ def row_counts(text: str) -> tuple[int, ...]:
     return values
 
 
+def pool_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """`1:1,1:2` -> ((1, 1), (1, 2)): draft and target workers, each a positive integer."""
+    try:
+        sizes = tuple(tuple(int(n) for n in size.split(":")) for size in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of DRAFT:TARGET worker counts") from None
+    if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"pool sizes are DRAFT:TARGET pairs of positive integers, got {text!r}")
+    return sizes
+
+
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     """Register `eyas bench peers|tree|service|runtime|forward|trace` on the top-level parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
@@ -143,6 +154,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--vllm-k", type=int, help="vLLM EAGLE drafts per step (default: the last peers scan's best, else 3)")
     service.add_argument("--emulate", metavar="PROFILE", help="timed models of an emulated deployment instead of real ones, in process and in the workers: null, h200-1b, 70b-tp4 or a profile file (docs/emulation.md); every figure is then emulation")
     service.add_argument("--concurrency", type=row_counts, help="also n requests at once through the service against generate_batch of n, for each n of a list (e.g. 1,8,64)")
+    service.add_argument("--pools", type=pool_sizes, help="instead of the comparison with the engine: throughput of --requests at once on services of each draft:target pool size (e.g. 1:1,1:2,2:1)")
     service.add_argument("--json", help="where the JSON record goes (default: stdout)")
     service.set_defaults(func=cmd_service)
 

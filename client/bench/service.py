@@ -221,6 +221,32 @@ def concurrency_curve(engine: Engine, client: Client, sizes: tuple[int, ...], ar
     return curve
 
 
+def scaling(config: ServiceConfig, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    """Throughput of the same offered load (every prompt at once) on services of each pool size (draft, target)."""
+    runs = []
+    for draft, target in args.pools:
+        sized = replace(
+            config,
+            draft_pool=replace(config.draft_pool, replicas=draft),
+            target_pool=replace(config.target_pool, replicas=target),
+            ray_num_cpus=max(draft + target, os.cpu_count() or 1),
+        )
+        with Service(sized, port=0) as service, Client(service.address) as client:
+            client.generate(prompts[0], max_new_tokens=8)  # warm-up
+            load = concurrently(client, prompts, args.max_new_tokens)
+        runs.append({
+            "draft_workers": draft,
+            "target_workers": target,
+            "tokens_per_s": load["tokens_per_s"],
+            "request_rounds_per_s": load["request_rounds_per_s"],
+            "over_first": load["tokens_per_s"] / runs[0]["tokens_per_s"] if runs else 1.0,
+            "busy": load["busy"],
+            "latency_s": load["latency_s"],
+            "breakdown_ms_per_round": load["breakdown_ms_per_round"],
+        })
+    return runs
+
+
 def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
     profile = load_profile(args.emulate) if args.emulate else None
@@ -242,6 +268,15 @@ def run(args: argparse.Namespace) -> dict:
         engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
         ahead_off = Engine.from_pretrained(target, drafter, tree=config.tree) if args.draft_ahead else None
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
+    if args.pools:  # throughput against pool sizes only, at a fixed offered load
+        return {
+            "emulation": profile.summary() if profile is not None else None,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+            "requests": args.requests,
+            "max_new_tokens": args.max_new_tokens,
+            "scaling": scaling(config, prompts, args),
+        }
     workers = args.draft_workers + args.target_workers
     config = replace(
         config,
