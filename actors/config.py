@@ -137,7 +137,7 @@ class ServiceConfig:
             try:
                 tree = TreePolicy.from_dict(tree)
             except ValueError as exc:
-                raise ConfigError(f"tree.{exc}") from None
+                raise ConfigError(str(exc)) from None
         layers = models.get("feature_layers")
         config = cls(
             target=_path(models.get("target")),

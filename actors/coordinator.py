@@ -233,7 +233,7 @@ class Coordinator:
         (with this request's trace frames when `trace`)."""
         check_id(request_id, "request_id")
         check_stop(list(stop))
-        sampling_params = make_sampling(**(sampling or {}))
+        sampling_params = make_sampling("sampling.", **(sampling or {}))
         rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_positions)

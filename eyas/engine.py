@@ -58,9 +58,9 @@ def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
         return tree
     policy = TreePolicy.from_dict(tree)
     if policy.budget + 1 > TREE_HEADROOM:
-        raise TreeError("budget", f"{policy.budget} candidate rows exceed the {TREE_HEADROOM - 1} a KV slot keeps for a tree")
+        raise TreeError("tree.budget", f"{policy.budget} candidate rows exceed the {TREE_HEADROOM - 1} a KV slot keeps for a tree")
     if policy.width * max(policy.depth - 1, 0) > TREE_HEADROOM:
-        raise TreeError("depth", f"width x (depth - 1) = {policy.width * (policy.depth - 1)} drafter rows exceed {TREE_HEADROOM}")
+        raise TreeError("tree.depth", f"width x (depth - 1) = {policy.width * (policy.depth - 1)} drafter rows exceed {TREE_HEADROOM}")
     return policy
 
 

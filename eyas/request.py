@@ -24,18 +24,20 @@ class StopRules:
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise RequestError("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise RequestError("stop", "stop strings must be non-empty strings")
+        for i, s in enumerate(self.stop_strings):
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop[{i}]", f"a stop string must be a non-empty string, got {s!r}")
 
 
-def make_sampling(**options) -> SamplingParams:
-    """SamplingParams from keyword options, with bad values reported as a RequestError naming the option."""
+def make_sampling(within: str = "", **options) -> SamplingParams:
+    """SamplingParams from keyword options, with a bad value reported as a RequestError naming the option after
+    `within` (`sampling.` where the options travel in a message's `sampling` field)."""
     try:
         return SamplingParams(**options)
     except TypeError as exc:
-        raise RequestError("sampling", f"unknown sampling option ({exc})") from None
+        raise RequestError(within.rstrip(".") or "sampling", f"unknown sampling option ({exc})") from None
     except SamplingError as exc:
-        raise RequestError(str(exc).split(" ")[0], str(exc)) from None
+        raise RequestError(within + str(exc).split(" ")[0], str(exc)) from None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import WireError
+from .errors import WireError, renamed
 from .request import make_sampling
 from .rounds import Proposal, Verification
 from .treerows import AcceptanceDecision, TreeError, array_from_proto, check_decision, decision_from_proto
@@ -59,9 +59,12 @@ def policy_to_proto(policy: TreePolicy) -> pb.TreePolicy:
     return pb.TreePolicy(width=policy.width, depth=policy.depth, budget=policy.budget, stop=policy.stop)
 
 
-def policy_from_proto(msg: pb.TreePolicy) -> TreePolicy:
-    """A tree policy; out-of-range knobs raise `TreeError` naming the knob."""
-    return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget, stop=msg.stop)
+def policy_from_proto(msg: pb.TreePolicy, field: str = "tree") -> TreePolicy:
+    """A tree policy; an out-of-range knob raises `TreeError` naming it inside `field` (`tree.width`, `policy.width`)."""
+    try:
+        return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget, stop=msg.stop)
+    except TreeError as exc:
+        raise renamed(exc, f"{field}.{exc.field.removeprefix('tree.')}") from None
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -69,8 +72,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Sampling options from the fields present; bad values raise `RequestError` naming the option."""
-    return make_sampling(**{f.name: value for f, value in msg.ListFields()})
+    """Sampling options from the fields present; bad values raise `RequestError` naming the option (`sampling.seed`)."""
+    return make_sampling("sampling.", **{f.name: value for f, value in msg.ListFields()})
 
 
 def tree_to_proto(tree: FlattenedTree, request: tpb.RequestRef) -> pb.FlattenedTree:

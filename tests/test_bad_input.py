@@ -36,8 +36,10 @@ def engine(tmp_path_factory):
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"seed": -1}, "seed"),
-        ({"tree": {"width": 0}}, "width"),
-        ({"tree": {"top_k": 4}}, "top_k"),
+        ({"tree": {"width": 0}}, "tree.width"),
+        ({"tree": {"stop": 1.5}}, "tree.stop"),
+        ({"stop": ["x", ""]}, "stop[1]"),
+        ({"tree": {"top_k": 4}}, "tree.top_k"),
     ],
 )
 def test_nonsense_requests_are_refused_by_field(engine, kwargs, field):
