@@ -10,6 +10,8 @@ package stays usable without the service.
 from __future__ import annotations
 
 import torch
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from .errors import WireError, renamed
 from .request import make_sampling
@@ -32,6 +34,27 @@ DTYPES = {
 }
 DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _, _) in DTYPES.items()}
 FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_known(msg: Message, path: str = "") -> None:
+    """Refuse a message carrying a field its schema does not define, at any depth (docs/wire.md#receipt-checks):
+    raises `WireError` naming the first one by its path and number (`tree.99`)."""
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        number = unknown[0].field_number
+        raise WireError(f"{path}{number}", f"field {number} is not defined in {msg.DESCRIPTOR.full_name}; unknown fields are refused")
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            if field.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    check_known(item, f"{path}{field.name}[{key!r}].")
+        elif field.is_repeated:
+            for i, item in enumerate(value):
+                check_known(item, f"{path}{field.name}[{i}].")
+        else:
+            check_known(value, f"{path}{field.name}.")
 
 
 def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:

@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 import ray
-from tests.helpers.servicekit import TREE, build_models, engine_outputs, service_config, wait_until
+from tests.helpers.servicekit import TREE, build_models, engine_outputs, service_config, wait_until, with_unknown_field
 
 from eyas import Engine, wire
 from eyas.client.cli import format_status
@@ -170,6 +170,24 @@ def test_run_job_with_a_malformed_item_answers_it_and_ends(svc):
     by_id = {r.id: r for r in results}
     assert len(results) == 2 and by_id["ok"].token_ids == svc["expected"][0][:8]
     assert (by_id[""].error.code, by_id[""].error.field) == ("INVALID_ARGUMENT", "item")
+
+
+def test_a_field_the_schema_does_not_define_is_refused_at_the_front_door_naming_it(svc):
+    tree = pb.TreePolicy.FromString(with_unknown_field(pb.TreePolicy(width=2, depth=2, budget=4), 99))
+    request = spb.GenerateRequest(token_ids=spb.TokenIds(ids=PROMPTS[0]), max_new_tokens=4, tree=tree)
+    channel = grpc.insecure_channel(svc["service"].address)
+    generate = channel.unary_stream("/eyas.v1.Eyas/Generate")
+    with pytest.raises(grpc.RpcError) as raw:
+        list(generate(request.SerializeToString(), timeout=30, metadata=call_metadata(TOKEN)))
+    assert (raw.value.code(), field_of(raw.value.trailing_metadata())) == (grpc.StatusCode.INVALID_ARGUMENT, "tree.99")
+    assert "field 99 is not defined in eyas.v1.TreePolicy" in raw.value.details()
+    good = spb.JobItem(id="good", request=spb.GenerateRequest(token_ids=spb.TokenIds(ids=PROMPTS[0]), max_new_tokens=8))
+    odd = spb.JobItem(id="odd", request=request)
+    run_job = channel.stream_stream("/eyas.v1.Eyas/RunJob", response_deserializer=spb.JobResult.FromString)
+    results = {r.id: r for r in run_job(iter([good.SerializeToString(), odd.SerializeToString()]), timeout=60, metadata=call_metadata(TOKEN))}
+    channel.close()
+    assert results["good"].token_ids == svc["expected"][0][:8]
+    assert (results["odd"].error.code, results["odd"].error.field) == ("INVALID_ARGUMENT", "request.tree.99")
 
 
 def test_cancelled_requests_are_counted_apart_from_completed(svc):

@@ -59,6 +59,14 @@ def engine_outputs(engine: Engine, prompts: list[list[int]], lengths: list[int],
     return [engine.generate(p, max_new_tokens=n, **options).token_ids for p, n in zip(prompts, lengths)]
 
 
+def with_unknown_field(msg, number: int) -> bytes:
+    """`msg`'s bytes with a varint field `number` (value 1) appended, a field its schema does not define."""
+    tag, key = number << 3, b""
+    while tag > 0x7F:
+        key, tag = key + bytes([tag & 0x7F | 0x80]), tag >> 7
+    return msg.SerializeToString() + key + bytes([tag, 1])
+
+
 def wait_until(condition: Callable[[], object], timeout: float, what: str, poll: float = 0.1) -> object:
     """Poll `condition` until it returns something truthy; fail after `timeout` seconds naming `what`."""
     deadline = time.monotonic() + timeout
