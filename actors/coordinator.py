@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 from eyas.autotree import Costs, TreeTuner
 from eyas.errors import RequestError
 from eyas.manifest import Manifest
-from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
+from eyas.request import RequestState, StopRules, make_sampling, prompt_within
 from eyas.rounds import RoundRecord, round_steps, start
 from eyas.steps import Steps
 from eyas.trace.messages import verify_exchange
@@ -237,15 +237,8 @@ class Coordinator:
         rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_positions)
-        elif self.max_positions and len(prompt) > self.max_positions:
-            raise RequestError("prompt", f"{len(prompt)} tokens exceed the target's {self.max_positions} positions")
-        ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
-        if self.max_positions and len(ids) + max_new_tokens > self.max_positions:
-            raise RequestError(
-                "max_new_tokens",
-                f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the target's "
-                f"{self.max_positions} positions",
-            )
+        where = f"the target's {self.max_positions} positions"
+        ids = prompt_within(prompt, self.tokenizer, self.vocab_size, max_new_tokens, self.max_positions, where)
         policy = self._check_tree(tree) if tree is not None else None if self.config.tree == "auto" else self.config.tree
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         state = RequestState(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling_params, rules, decode=decode)

@@ -174,6 +174,7 @@ def test_text_prompts_and_stop_strings_behave_as_in_process(svc):
         ({"prompt": [1, 500]}, "INVALID_ARGUMENT", "prompt"),
         ({"max_new_tokens": 0}, "INVALID_ARGUMENT", "max_new_tokens"),
         ({"max_new_tokens": 600}, "INVALID_ARGUMENT", "max_new_tokens"),
+        ({"prompt": "w5 " * 600}, "INVALID_ARGUMENT", "prompt"),  # under the text's byte bound, over the positions
         ({"temperature": -1.0}, "INVALID_ARGUMENT", "sampling.temperature"),
         ({"top_p": 0.0}, "INVALID_ARGUMENT", "sampling.top_p"),
         ({"top_k": -3}, "INVALID_ARGUMENT", "sampling.top_k"),
