@@ -17,6 +17,7 @@ from transformers import AutoConfig
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.autotree import EXPLORE
 from eyas.emulation import Profile, ProfileError, load_profile
+from eyas.rpc import MIN_REQUEST_BYTES
 from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
 from eyas.tree import TreePolicy
@@ -170,8 +171,8 @@ class ServiceConfig:
             raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
         if type(self.kv_slots) is not int or self.kv_slots < 1:
             raise ConfigError(f"service.kv_slots: must be an integer >= 1, got {self.kv_slots!r}")
-        if type(self.max_request_bytes) is not int or not 1024 <= self.max_request_bytes <= 256 << 20:
-            raise ConfigError(f"service.max_request_bytes: must be an integer 1024..{256 << 20}, got {self.max_request_bytes!r}")
+        if type(self.max_request_bytes) is not int or not MIN_REQUEST_BYTES <= self.max_request_bytes <= 256 << 20:
+            raise ConfigError(f"service.max_request_bytes: must be an integer {MIN_REQUEST_BYTES}..{256 << 20}, got {self.max_request_bytes!r}")
         if type(self.draft_ahead) is not int or not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
             raise ConfigError(f"service.draft_ahead: must be an integer in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead!r}")
         if type(self.max_rebuilds) is not int or self.max_rebuilds < 0:

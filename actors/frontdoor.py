@@ -63,10 +63,12 @@ class FrontDoor(spb_grpc.EyasServicer):
     def __init__(self, coordinator: Requests):
         self.coordinator = coordinator
         self._server: grpc.aio.Server | None = None
+        self.max_request_bytes = 0
 
     def bind(self, host: str, port: int, token: str | None, max_request_bytes: int) -> int:
         """Take host:port for eyas.v1.Eyas (a busy port is refused at once); calls are answered only after `start`."""
         handler = self._handler()
+        self.max_request_bytes = max_request_bytes
         self._server, bound = bind_server(
             lambda s: s.add_generic_rpc_handlers((handler,)), host, port, token, max_receive_bytes=max_request_bytes
         )
@@ -229,7 +231,7 @@ class FrontDoor(spb_grpc.EyasServicer):
         return spb.StatusReply(**status)
 
     async def Health(self, request: spb.HealthRequest, context: grpc.aio.ServicerContext) -> spb.HealthReply:
-        return spb.HealthReply(status="SERVING", manifest_id=self.coordinator.manifest_id)
+        return spb.HealthReply(status="SERVING", manifest_id=self.coordinator.manifest_id, max_request_bytes=self.max_request_bytes)
 
 
 def _serialize(message: Message) -> bytes:

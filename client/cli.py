@@ -296,7 +296,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Run a JSONL batch job on a running service; resumable (ids already in the output are skipped).
-    Input lines: {"id", "prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}."""
+    Input lines: {"id", "prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}.
+    A bad line (not JSON, an unknown option, larger than the service takes, refused by the service) is reported
+    on stderr with its line number and id, and the job goes on. Exit status: 0 every line written or skipped,
+    2 some lines were bad input (the others written), 1 some lines failed otherwise (the service could not serve them)."""
     from eyas.client.jobs import run_job
 
     with Client(args.server, token=args.token) as client:
@@ -305,7 +308,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         where = f"line {error['line']}" + (f" (id {error['id']})" if error.get("id") else "")
         print(f"eyas submit: {where}: {error['code']}: {error['message']}", file=sys.stderr)
     print(f"{report.written} written, {report.skipped} skipped (already done), {len(report.errors)} failed", file=sys.stderr)
-    return 0 if report.ok else 1
+    if report.ok:
+        return 0
+    return EXIT_BAD_INPUT if all(error["code"] in BAD_INPUT_CODES for error in report.errors) else EXIT_FAILED
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -65,6 +65,15 @@ def test_client_and_cli_talk_to_the_served_front_door(served):
     results = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
     assert [results[str(i)] for i in range(3)] == engine_outputs(engine, [[5 + i, 9] for i in range(3)], [6] * 3)
 
+    lines = [{"id": "a", "prompt": [7, 9], "max_new_tokens": 6}, {"id": "big", "prompt": "w5 " * (5 << 18)}, {"id": "b", "prompt": [8, 9], "max_new_tokens": 6}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))  # a 5 MB line between two good ones
+    job = eyas("submit", str(source), str(out), "--server", address, "--token", TOKEN, "--no-progress")
+    assert job.returncode == 2 and "2 written, 0 skipped (already done), 1 failed" in job.stderr, job.stderr
+    assert "eyas submit: line 2 (id big): INVALID_ARGUMENT: prompt: the request is " in job.stderr
+    assert "(service.max_request_bytes)" in job.stderr
+    results = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert [results["a"], results["b"]] == engine_outputs(engine, [[7, 9], [8, 9]], [6] * 2)
+
 
 def test_generate_without_server_uses_the_service_at_the_default_address(served):
     done = eyas("generate", "--prompt", "w5 w17 w33", "--max-new-tokens", "12", "--json", EYAS_SERVER=served["address"], EYAS_TOKEN=TOKEN)

@@ -6,6 +6,7 @@ target worker killed under four concurrent requests fails none of them; every ov
 refused fast, naming its field, while another request runs unchanged. A second service binds ::1.
 """
 
+import json
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ from tests.helpers.servicekit import TREE, build_models, engine_outputs, service
 from eyas import Engine, wire
 from eyas.client.cli import format_status
 from eyas.client.client import Client, EyasError
+from eyas.client.jobs import run_job
 from eyas.cluster.service import Service
 from eyas.rpc import TOKEN_KEY, call_metadata, field_of
 from eyas.v1 import round_pb2 as pb
@@ -147,10 +149,15 @@ def test_oversized_inputs_are_refused_fast_naming_the_field_while_a_request_runs
         refused_fast(lambda: client.scale(target=10_000), "INVALID_ARGUMENT", "target"),
     ]
     with pytest.raises(EyasError) as err:
-        gen("w5 " * (1 << 19))  # 1.5 MB: over service.max_request_bytes, refused before it is decoded
-    assert err.value.code == "RESOURCE_EXHAUSTED"
+        gen("w5 " * (1 << 19))  # 1.5 MB: over service.max_request_bytes, refused by the client before it is sent
+    assert (err.value.code, err.value.field) == ("INVALID_ARGUMENT", "prompt")
+    assert f"over the service's limit of {1 << 20} (service.max_request_bytes)" in err.value.details
     channel = grpc.insecure_channel(svc["service"].address)
     generate = channel.unary_stream("/eyas.v1.Eyas/Generate")
+    oversized = spb.GenerateRequest(text="w5 " * (1 << 19)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as raw:  # sent anyway, gRPC's transport refuses it before eyas decodes it
+        list(generate(oversized, timeout=10, metadata=call_metadata(TOKEN)))
+    assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(grpc.RpcError) as raw:
         list(generate(b"\xff\xff\xff", timeout=10, metadata=call_metadata(TOKEN)))
     assert (raw.value.code(), field_of(raw.value.trailing_metadata())) == (grpc.StatusCode.INVALID_ARGUMENT, "message")
@@ -159,6 +166,18 @@ def test_oversized_inputs_are_refused_fast_naming_the_field_while_a_request_runs
     threads[0].join(120)
     assert errors == [None] and outputs == svc["expected"][2:3]
     assert max(seconds) < 5.0, seconds  # generous: each refusal happens before any model work
+
+
+def test_an_oversized_job_line_is_reported_and_the_job_goes_on(svc, tmp_path):
+    lines = [{"id": "first", "prompt": PROMPTS[0], "max_new_tokens": 8}, {"id": "big", "prompt": "w5 " * (5 << 18)},
+             {"id": "last", "prompt": PROMPTS[1], "max_new_tokens": 8}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = run_job(svc["client"], source, out, progress=False)
+    assert report.written == 2 and [(e["line"], e["id"], e["code"], e["field"]) for e in report.errors] == [(2, "big", "INVALID_ARGUMENT", "prompt")]
+    assert "service.max_request_bytes" in report.errors[0]["message"]
+    written = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert written == {"first": svc["expected"][0][:8], "last": svc["expected"][1][:8]}
 
 
 def test_run_job_with_a_malformed_item_answers_it_and_ends(svc):

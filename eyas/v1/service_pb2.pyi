@@ -284,9 +284,11 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("status", "manifest_id")
+    __slots__ = ("status", "manifest_id", "max_request_bytes")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     status: str
     manifest_id: str
-    def __init__(self, status: _Optional[str] = ..., manifest_id: _Optional[str] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, status: _Optional[str] = ..., manifest_id: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
