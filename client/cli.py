@@ -81,7 +81,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     $EYAS_SERVER or 127.0.0.1:50051, else an embedded one started for this call), or in this process with --local;
     print it as it is generated (or a JSON record with statistics)."""
     tree_args(args)  # an ambiguous --top-k is refused before anything starts
+    if args.prompt is None:
+        args.prompt = read_prompt(args.prompt_file)
     return generate_local(args) if args.local else generate_service(args)
+
+
+def read_prompt(path: str) -> str:
+    """The prompt text in a UTF-8 file, or on standard input for `-` (read exactly, trailing newline included)."""
+    data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompt-file: {path} is not UTF-8 (byte {exc.start})") from None
 
 
 def running_service(address: str, token: str | None) -> bool:
@@ -386,7 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion", description=cmd_generate.__doc__)
-    gen.add_argument("--prompt", required=True, help="prompt text (tokenized with the target's tokenizer)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the target's tokenizer)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 file, exactly as it is (- reads standard input): for a prompt too long for a command line")
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON record with token ids and statistics")

@@ -3,13 +3,18 @@
 Every command runs in its own process, as a user runs it.
 """
 
+import json
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+from tests.helpers.servicekit import build_models
 from tests.helpers.tiny import make_drafter, make_target
+
+from eyas import Engine
+from eyas.client.cli import build_parser, read_prompt
 
 EYAS = [sys.executable, "-m", "eyas.client.cli"]
 
@@ -80,6 +85,28 @@ def test_no_service_is_a_failure_and_a_bad_value_is_bad_input():
     assert eyas("scale", "--server", address).returncode == 2  # neither --draft nor --target
     assert eyas("generate", "--no-such-flag").returncode == 2
 
+
+
+def test_a_prompt_comes_from_a_file_or_standard_input_exactly(tmp_path):
+    target, drafter = build_models(tmp_path)
+    text = "w5 w17 w33\n"
+    done = subprocess.run(
+        [*EYAS, "generate", "--local", "--target", str(target), "--drafter", str(drafter), "--json", "--max-new-tokens", "6",
+         "--tree-width", "2", "--depth", "2", "--budget", "4", "--prompt-file", "-"],
+        input=text, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    reference = Engine.from_pretrained(target, drafter, tree={"width": 2, "depth": 2, "budget": 4}).generate(text, max_new_tokens=6)
+    assert (record["prompt"], record["token_ids"]) == (text, reference.token_ids)
+    (tmp_path / "prompt.txt").write_text(text)
+    assert read_prompt(str(tmp_path / "prompt.txt")) == text
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=f"^--prompt-file: {tmp_path / 'latin1.txt'} is not UTF-8 \\(byte 3\\)$"):
+        read_prompt(str(tmp_path / "latin1.txt"))
+    with pytest.raises(SystemExit) as usage:
+        build_parser().parse_args(["generate", "--prompt", "x", "--prompt-file", "-"])  # one or the other
+    assert usage.value.code == 2
 
 
 def test_top_k_means_sampling_only_and_the_old_tree_names_are_refused(tmp_path):

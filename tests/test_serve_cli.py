@@ -75,6 +75,16 @@ def test_client_and_cli_talk_to_the_served_front_door(served):
     assert [results["a"], results["b"]] == engine_outputs(engine, [[7, 9], [8, 9]], [6] * 2)
 
 
+def test_a_prompt_file_larger_than_the_service_takes_is_refused_naming_the_prompt(served):
+    big = served["root"] / "big.txt"
+    big.write_text("w5 " * (5 << 18))  # 3.9 MB: past any command line, past the front door's 1 MiB
+    done = eyas("generate", "--server", served["address"], "--token", TOKEN, "--prompt-file", str(big))
+    assert done.returncode == 2, done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("eyas generate: error: INVALID_ARGUMENT: prompt: the request is ") and error.endswith(
+        f"over the service's limit of {1 << 20} (service.max_request_bytes)"), error
+
+
 def test_generate_without_server_uses_the_service_at_the_default_address(served):
     done = eyas("generate", "--prompt", "w5 w17 w33", "--max-new-tokens", "12", "--json", EYAS_SERVER=served["address"], EYAS_TOKEN=TOKEN)
     assert done.returncode == 0, done.stderr
