@@ -256,14 +256,17 @@ class Coordinator:
 
     def _tree_status(self) -> dict:
         """The fixed policy's knobs, or under auto the latest policy chosen at each concurrency (from the tuner's
-        history: an exploration clears its current choices, not what it chose before)."""
+        history: an exploration clears its current choices, not what it chose before) and the exploring rounds
+        still to run before it chooses (a short request may end within the first exploration)."""
         if self.tuner is None:
             return {"tree": dataclasses.asdict(self.config.tree), "tree_auto": False}
         latest: dict[int, TreePolicy] = {}
         with self._tuner_lock:
             for entry in self.tuner.history:  # oldest first: the latest choice at each concurrency wins
                 latest[entry["concurrent"]] = entry["policy"]
-        return {"tree_auto": True, "tree_chosen": {str(n): dataclasses.asdict(p) for n, p in sorted(latest.items())}}
+            exploring = self.tuner.exploring
+        chosen = {str(n): dataclasses.asdict(p) for n, p in sorted(latest.items())}
+        return {"tree_auto": True, "tree_chosen": chosen, "tree_exploring": exploring}
 
     def _trace_sink(self, job: Job) -> Callable[[bytes], None]:
         """Trace frames go to the service's trace file and, when the client asked, to its next chunk."""

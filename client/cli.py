@@ -369,7 +369,8 @@ def format_status(status: dict) -> str:
     knobs = lambda t: f"{t['width']}/{t['depth']}/{t['budget']}" + (f" stop {t['stop']:g}" if t.get("stop") else "")  # noqa: E731
     if status.get("tree_auto"):
         chosen = ", ".join(f"{n} at once: {knobs(t)}" for n, t in sorted((status.get("tree_chosen") or {}).items(), key=lambda i: int(i[0])))
-        lines.append(f"tree: auto (width/depth/budget chosen so far: {chosen or 'none yet'})")
+        exploring = f"exploring, {status['tree_exploring']} round(s) to go before it chooses; " if status.get("tree_exploring") else ""
+        lines.append(f"tree: auto ({exploring}width/depth/budget chosen so far: {chosen or 'none yet'})")
     elif status.get("tree"):
         lines.append(f"tree: {knobs(status['tree'])} (width/depth/budget)")
     metrics = status.get("metrics") or {}

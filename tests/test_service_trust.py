@@ -229,7 +229,13 @@ def test_a_service_with_tree_auto_chooses_its_trees_and_keeps_the_output(svc):
     try:
         with Client(service.address) as client:
             status = client.status()
-            assert status["tree_auto"] and not status["tree_chosen"]
+            assert status["tree_auto"] and not status["tree_chosen"] and status["tree_exploring"] == 18
+            short = client.generate(PROMPTS[0], max_new_tokens=4)  # ends within the first exploration
+            assert short.token_ids == svc["expected"][0][:4]
+            status = client.status()
+            assert 0 < status["tree_exploring"] < 18 and not status["tree_chosen"]
+            line = f"tree: auto (exploring, {status['tree_exploring']} round(s) to go before it chooses; width/depth/budget chosen so far: none yet)"
+            assert line in format_status(status).splitlines()
             outputs, errors = [None] * len(PROMPTS), []
             threads = [threading.Thread(target=lambda i=i: outputs.__setitem__(i, client.generate(PROMPTS[i], max_new_tokens=LENGTH)))
                        for i in range(len(PROMPTS))]
