@@ -15,9 +15,11 @@ from tests.helpers.servicekit import TREE, build_models
 
 from eyas import Engine, wire
 from eyas.client.cli import main
+from eyas.client.trace_png import draw_charts
 from eyas.trace import TraceWriter, read_trace
 from eyas.trace.format import encode
 from eyas.trace.messages import decode_round
+from eyas.trace.summary import Summary
 from eyas.v1 import round_pb2 as pb
 
 CHROMIUM_FLAGS = [
@@ -134,3 +136,19 @@ def test_the_png_holds_the_acceptance_and_calibration_charts(recorded, tmp_path)
     assert main(["trace", "show", str(path), "--png", str(png)]) == 0
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_every_count_label_of_the_calibration_chart_lies_inside_it():
+    summary = Summary(requests=1, rounds=4, tokens=9, offered=[4, 4, 3], accepted_at=[4, 3, 1])
+    corners = [(0.01, 0.0, 1200), (0.5, 0.5, 7), (0.99, 1.0, 31000), (0.99, 0.02, 900), (0.05, 1.0, 45)]  # confidence, acceptance, nodes
+    for bucket, (confidence, acceptance, nodes) in zip(summary.calibration[::2], corners):
+        bucket.nodes, bucket.accepted, bucket.confidence = nodes, round(acceptance * nodes), confidence * nodes
+    fig = draw_charts("edges", summary)
+    fig.canvas.draw()
+    calib = fig.axes[1]
+    inside = calib.get_window_extent()
+    labels = {text.get_text(): text.get_window_extent() for text in calib.texts}
+    assert sorted(labels) == sorted(str(n) for _, _, n in corners)
+    for label, box in labels.items():
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, (label, box, inside)
+
