@@ -16,6 +16,8 @@ from transformers import AutoConfig
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.autotree import EXPLORE
+from eyas.drafters.checkpoint import CheckpointError
+from eyas.pairing import plan_drafter, target_num_layers
 from eyas.emulation import Profile, ProfileError, load_profile
 from eyas.rpc import MIN_REQUEST_BYTES
 from eyas.runtime.device import DTYPES
@@ -230,6 +232,14 @@ class ServiceConfig:
             emulate=self.emulate,
             rpc_timeout_s=self.rpc_timeout_s,
         )
+
+    def check_drafter(self) -> None:
+        """Refuse a drafter directory that holds no drafter (a target model, say) before any worker loads it."""
+        target, drafter = self.models()
+        try:
+            plan_drafter(drafter, target_num_layers(target), self.feature_layers)
+        except CheckpointError as exc:
+            raise ConfigError(f"models.drafter: {exc}") from None
 
     def check_target_split(self) -> None:
         """Refuse a target group that would not split the target's heads, kv heads, experts or vocabulary evenly."""

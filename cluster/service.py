@@ -69,6 +69,7 @@ class Service:
         """Start (or join) Ray, then the coordinator and both pools; returns once the front door serves."""
         if not self.config.emulate:
             self.config.models()  # a missing model directory is reported before anything starts
+            self.config.check_drafter()  # so is a drafter directory holding no drafter
         self.config.check_target_split()  # so is a target group that cannot split the target evenly
         check_port(self.config.host, self.port)  # so is a busy front-door port (the coordinator runs on this node)
         if not ray.is_initialized():

@@ -13,7 +13,11 @@ import pytest
 from tests.helpers.servicekit import build_models
 from tests.helpers.tiny import make_drafter, make_target
 
+import ray
+
 from eyas import Engine
+from eyas.actors.config import ConfigError, ServiceConfig
+from eyas.cluster.service import Service
 from eyas.client.cli import build_parser, read_prompt
 
 EYAS = [sys.executable, "-m", "eyas.client.cli"]
@@ -69,12 +73,16 @@ def test_a_missing_target_is_bad_input_locally_and_through_the_service(tmp_path)
     assert "starting an embedded one" in served.stderr
 
 
-def test_a_target_given_as_drafter_is_named_as_such(models):
+def test_a_target_given_as_drafter_is_named_as_such_in_one_line_in_process_and_in_the_service(models, tmp_path):
     target, _ = models
-    done = eyas("generate", "--local", "--target", str(target), "--drafter", str(target), "--prompt", "x")
+    tied = make_target(tmp_path / "tied", tie_word_embeddings=True)  # no lm_head.weight of its own, as the demo target
+    done = eyas("generate", "--local", "--target", str(target), "--drafter", str(tied), "--prompt", "x")
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1].endswith("this is a target model (a full causal LM: model.layers.* and lm_head.weight), not a drafter")
-    assert "missing key" not in done.stderr
+    assert done.stderr.splitlines() == [f"eyas generate: error: drafter checkpoint {tied}: this is a target model (a full causal LM with model.layers.*), not a drafter"]
+    config = ServiceConfig.from_dict({"models": {"target": str(target), "drafter": str(target)}})
+    with pytest.raises(ConfigError, match=f"^models.drafter: drafter checkpoint {target}: this is a target model .*, not a drafter$"):
+        Service(config, port=0).start()  # refused before Ray starts
+    assert not ray.is_initialized()
 
 
 def test_no_service_is_a_failure_and_a_bad_value_is_bad_input():
