@@ -24,6 +24,7 @@ from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
 from eyas.tree import TreePolicy
 
+from .server import DEFAULT_HOST
 from .worker import WorkerSpec
 
 
@@ -101,7 +102,7 @@ class ServiceConfig:
     tree: TreePolicy | str = "auto"  # "auto": the coordinator's tuner chooses each round's tree (eyas.autotree)
     draft_pool: PoolConfig = PoolConfig()
     target_pool: PoolConfig = PoolConfig()
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     token: str | None = None
     max_active: int = 32
     kv_slots: int = 16  # requests one worker's KV pool holds at once; more wait for a slot (admission by capacity)
@@ -153,7 +154,7 @@ class ServiceConfig:
             tree=tree,
             draft_pool=_pool(pools.get("draft") or {}, "draft"),
             target_pool=_pool(pools.get("target") or {}, "target"),
-            host=network.get("host", "127.0.0.1"),
+            host=network.get("host", DEFAULT_HOST),
             token=network.get("token"),
             **service,
             ray_num_cpus=ray_section.get("num_cpus"),

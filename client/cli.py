@@ -10,6 +10,9 @@ from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 
+import yaml
+
+from eyas.actors.server import DEFAULT_HOST, check_port
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.client.bench.commands import add_bench_commands
 from eyas.client.client import Client, EyasError, default_address
@@ -290,6 +293,9 @@ def cmd_vllm_setup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
     and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
+    say = lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    check_port(configured_host(args.config), args.port)  # a busy port is refused before anything loads
+    say("loading torch, transformers and Ray")
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import serve
 
@@ -300,9 +306,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         lambda address: print(f"eyas ready at {address}", flush=True),
         trace=args.trace,
-        on_progress=lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True),
+        on_progress=say,
     )
     return 0
+
+
+def configured_host(config: str | None) -> str:
+    """`network.host` of a service config file, read without loading the service (whose load checks the rest)."""
+    data = yaml.safe_load(Path(config).read_text()) if config else None
+    network = data.get("network") if isinstance(data, dict) else None
+    host = network.get("host") if isinstance(network, dict) else None
+    return host if isinstance(host, str) else DEFAULT_HOST
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

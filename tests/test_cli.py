@@ -57,6 +57,25 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert done.stdout.splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_serve_refuses_a_busy_port_before_loading_anything(host, tmp_path):
+    config = tmp_path / "service.yaml"
+    config.write_text(f"network: {{host: {host}, token: t}}\n")
+    with socket.socket() as busy:
+        busy.bind((host, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        probe = (
+            "import sys\n"
+            "from eyas.client.cli import main\n"
+            f"status = main(['serve', '--config', {str(config)!r}, '--port', '{port}'])\n"
+            "print(status, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
+        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines()[-1] == "1 []", done.stderr
+    assert done.stderr == f"eyas serve: error: port: {host}:{port} is in use (another eyas serve?); choose another with --port\n"
+
+
 def test_version_names_the_installed_package():
     done = eyas("--version")
     assert (done.returncode, done.stdout.split()[0]) == (0, "eyas")

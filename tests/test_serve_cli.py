@@ -130,6 +130,7 @@ def test_serve_shows_its_progress_and_stops_cleanly_on_sigterm_after_printing_on
     assert proc.wait(timeout=120) == 0
     assert served["lines"].get(timeout=10) is None, "eyas serve printed more than its ready line"
     log = (served["root"] / "serve.log").read_text()
+    assert log.splitlines()[0] == "eyas serve: loading torch, transformers and Ray", log  # said before the long imports
     assert "Traceback" not in log and "Token authentication" not in log, log
     for progress in ("eyas serve: starting 1 draft and 1 target worker(s)", "eyas serve: pools.draft: draft-0 loading its models", "eyas serve: pools.target: target-0 ready at 127.0.0.1:"):
         assert progress in log, log

@@ -73,6 +73,16 @@ def test_trace_commands_load_neither_torch_nor_transformers(recorded, command):
     assert {"show": "round 1 (version 1)", "check": "all invariants hold", "diff": "identical"}[command[0]] in done.stdout.lower()
 
 
+def test_replay_says_what_it_loads_then_shows_its_rounds_as_they_go(recorded, capsys):
+    path, target = recorded
+    rounds = sum(len(r.rounds) for r in read_trace(path).requests)
+    assert main(["replay", str(path), "--target", str(target)]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == f"eyas replay: 2 request(s), {rounds} round(s); loading {target}"
+    assert "eyas replay: 100%" in err and f"{rounds}/{rounds}" in err
+    assert out.splitlines()[-1].startswith("identical")
+
+
 def test_trace_show_names_a_request_that_is_not_there(recorded, capsys):
     path, _ = recorded
     assert main(["trace", "show", str(path), "--request", "req-1"]) == 0
