@@ -6,6 +6,7 @@ name, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -182,9 +183,19 @@ class ServiceConfig:
             raise ConfigError(f"service.max_rebuilds: must be an integer >= 0, got {self.max_rebuilds!r}")
         if self.metrics_port is not None and (type(self.metrics_port) is not int or not 0 <= self.metrics_port < 65536):
             raise ConfigError(f"service.metrics_port: must be null or a port number 0..65535 (0: any free port), got {self.metrics_port!r}")
+        if self.ray_num_cpus is not None and (type(self.ray_num_cpus) is not int or self.ray_num_cpus < 1):
+            raise ConfigError(f"ray.num_cpus: must be null or an integer >= 1, got {self.ray_num_cpus!r}")
         for key in ("rpc_timeout_s", "ready_timeout_s"):
             if not isinstance(getattr(self, key), (int, float)) or getattr(self, key) <= 0:
                 raise ConfigError(f"service.{key}: must be a positive number of seconds")
+
+    def embedded_cpus(self) -> int:
+        """Logical CPUs of an embedded Ray: `ray.num_cpus`, else this machine's cores or, when more, twice what the
+        pools reserve, so each pool can double at run time (`eyas scale`) on any machine (docs/deploy.md)."""
+        if self.ray_num_cpus is not None:
+            return self.ray_num_cpus
+        pools = sum(p.replicas * p.tensor_parallel * p.num_cpus for p in (self.draft_pool, self.target_pool))
+        return max(os.cpu_count() or 1, math.ceil(2 * pools))
 
     @property
     def tree_limit(self) -> TreePolicy:

@@ -9,15 +9,17 @@ import sys
 from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
-from eyas.actors.server import DEFAULT_HOST, check_port
+from eyas.actors.server import DEFAULT_HOST, check_port, is_loopback
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.client.bench.commands import add_bench_commands
 from eyas.client.client import Client, EyasError, default_address
 from eyas.client.loading import quiet_loading
 from eyas.client.trace_cli import add_trace_commands
+from eyas.cluster import rayenv
 
 EXIT_FAILED = 1  # the command ran and could not do its job (no service, no resources, a divergence found)
 EXIT_BAD_INPUT = 2  # the input is wrong (usage, a value, a missing file or model); argparse exits 2 as well
@@ -126,6 +128,8 @@ def generate_service(args: argparse.Namespace) -> int:
 
 def generate_embedded(args: argparse.Namespace) -> int:
     """Start a service (embedded Ray, a free port) for one generation, then stop it."""
+    host = configured_host(args.config)
+    rayenv.prepare(embedded_on_loopback=is_loopback(host))
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import Service
     from eyas.tree import TreePolicy
@@ -294,7 +298,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
     and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
     say = lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    check_port(configured_host(args.config), args.port)  # a busy port is refused before anything loads
+    host = configured_host(args.config)
+    check_port(host, args.port)  # a busy port is refused before anything loads
+    rayenv.prepare(embedded_on_loopback=args.address is None and is_loopback(host))
+    ready = own_stdout()
     say("loading torch, transformers and Ray")
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import serve
@@ -304,11 +311,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ServiceConfig.load(args.config),
         args.address,
         args.port,
-        lambda address: print(f"eyas ready at {address}", flush=True),
+        lambda address: print(f"eyas ready at {address}", file=ready, flush=True),
         trace=args.trace,
         on_progress=say,
+        allow_insecure_ray=args.allow_insecure_ray,
     )
     return 0
+
+
+def own_stdout() -> TextIO:
+    """This process's stdout for its one line; from now on whatever else writes to stdout (Ray's lines forwarded
+    from its workers, such as a worker's death) goes to stderr."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return out
 
 
 def configured_host(config: str | None) -> str:
@@ -429,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="join the Ray cluster at this address instead of starting an embedded one")
     serve.add_argument("--port", type=int, default=50051, help="front door port on 127.0.0.1 (default 50051; 0 picks one)")
     serve.add_argument("--trace", help="append every request's rounds to this trace file")
+    serve.add_argument("--allow-insecure-ray", action="store_true", help="start or join a Ray whose control plane takes calls without a token (RAY_AUTH_MODE=disabled, or a cluster started without token authentication); refused otherwise (docs/deploy.md)")
     serve.set_defaults(func=cmd_serve)
 
     submit = sub.add_parser("submit", help="run a JSONL batch job", description=cmd_submit.__doc__)

@@ -10,13 +10,14 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers.servicekit import build_models
+from tests.helpers.servicekit import build_models, service_config
 from tests.helpers.tiny import make_drafter, make_target
 
 import ray
 
 from eyas import Engine
 from eyas.actors.config import ConfigError, ServiceConfig
+from eyas.client.client import Client
 from eyas.cluster.service import Service
 from eyas.client.cli import build_parser, read_prompt
 
@@ -102,6 +103,35 @@ def test_a_target_given_as_drafter_is_named_as_such_in_one_line_in_process_and_i
     with pytest.raises(ConfigError, match=f"^models.drafter: drafter checkpoint {target}: this is a target model .*, not a drafter$"):
         Service(config, port=0).start()  # refused before Ray starts
     assert not ray.is_initialized()
+
+
+def test_an_embedded_ray_without_token_authentication_is_refused_before_it_starts(models, monkeypatch):
+    target, drafter = models
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    config = ServiceConfig.from_dict({"models": {"target": str(target), "drafter": str(drafter)}})
+    with pytest.raises(ConfigError, match="^ray: RAY_AUTH_MODE=disabled would start Ray without token authentication: .* --allow-insecure-ray$"):
+        Service(config, port=0).start()
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_joining_a_ray_cluster_without_token_authentication_needs_allow_insecure_ray(tmp_path):
+    target, drafter = build_models(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "disabled"}
+    code = "import sys, ray; ray.init(num_cpus=2, include_dashboard=False); print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
+    open_ray = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        gcs = open_ray.stdout.readline().strip()
+        config = service_config(target, drafter)
+        with pytest.raises(ConfigError, match=f"^ray: the Ray cluster at {gcs} takes calls without a token: .* --allow-insecure-ray$"):
+            Service(config, address=gcs, port=0).start()
+        assert not ray.is_initialized()
+        lines = []
+        with Service(config, address=gcs, port=0, on_progress=lines.append, allow_insecure_ray=True) as service, Client(service.address) as client:
+            assert client.health()["status"] == "SERVING"
+        assert f"ray: warning: the Ray cluster at {gcs} takes calls without a token: anyone who reaches its ports can run code in it (allowed by --allow-insecure-ray)" in lines
+    finally:
+        open_ray.communicate(timeout=60)  # end of input: the cluster's driver shuts it down
 
 
 def test_no_service_is_a_failure_and_a_bad_value_is_bad_input():

@@ -1,32 +1,43 @@
 """`eyas serve` end to end: a subprocess with an embedded Ray instance, its ready line, the client and the CLI.
 
 The service is configured with a shared token, so the test also shows that a call without it is refused. Its
-embedded Ray has 2 CPUs and each of its two workers reserves one, so the cluster is full.
+embedded Ray takes the default logical CPUs (twice what its two workers reserve, or the machine's cores) and
+its own Ray token from a file; every Ray server listens on loopback only.
 """
 
+import ipaddress
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
+import sys
 
 import grpc
+import psutil
 import pytest
-from tests.helpers.servicekit import EYAS, TREE, build_models, engine_outputs, start_serve
+from tests.helpers.servicekit import EYAS, TREE, build_models, engine_outputs, start_serve, wait_until
 
 from eyas import Engine
 from eyas.client.client import Client, EyasError
+from eyas.cluster import rayenv
 
 pytestmark = pytest.mark.slow  # `eyas serve` in subprocesses, each with its own Ray
 
 TOKEN = "serve-test-token"
 
 
+pytestmark = pytest.mark.slow  # one `eyas serve` subprocess for the module, and more CLI processes
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     target, drafter = build_models(root)
-    serve = start_serve(root, target, drafter, network={"token": TOKEN})
+    (root / "ray_token").write_text(secrets.token_hex(32))
+    env = {"RAY_AUTH_TOKEN_PATH": str(root / "ray_token")}
+    serve = start_serve(root, target, drafter, env=env, network={"token": TOKEN}, ray={"num_cpus": None})
     proc = serve.proc
     yield {"address": serve.address, "proc": proc, "lines": serve.lines, "root": root, "engine": Engine.from_pretrained(target, drafter, tree=TREE)}
     if proc.poll() is None:
@@ -105,12 +116,62 @@ def test_status_says_where_ray_is_and_survives_a_closed_pipe(served):
     assert proc.stderr.read() == ""
 
 
-def test_a_scale_the_cluster_can_never_hold_fails_at_once_naming_what_is_missing(served):
+def ray_client(gcs: str, **env: str) -> subprocess.Popen:
+    """A fresh process connecting to the Ray cluster at `gcs` as a driver on its loopback node, with `env` for Ray's
+    token settings only."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {rayenv.SINGLE_NODE: "0"}
+    code = f"import ray; ray.init(address={gcs!r}, logging_level='error'); print(ray.cluster_resources()['CPU'])"
+    return subprocess.Popen([sys.executable, "-c", code], env={**clean, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_embedded_ray_listens_on_loopback_only_and_refuses_a_client_without_its_token(served):
+    serve = psutil.Process(served["proc"].pid)
+    session = json.loads(eyas("status", "--server", served["address"], "--token", TOKEN, "--json").stdout)["ray_address"]
+    listening = {
+        (c.laddr.ip, c.laddr.port, p.name())
+        for p in [serve, *serve.children(recursive=True)]
+        for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert session.split(":")[0] == "127.0.0.1" and len(listening) >= 5, listening  # GCS, raylet, agents, workers, front door
+    assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _, _ in listening), listening
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(served["root"] / "ray_token")}
+    clients = {
+        "without a token": ray_client(session),
+        "with a wrong token": ray_client(session, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64),
+        "with the token": ray_client(session, **token),
+    }
+    done = {}
+    for name, proc in clients.items():
+        out, err = proc.communicate(timeout=120)
+        done[name] = (proc.returncode, out, err)
+    for name in ("without a token", "with a wrong token"):
+        code, out, err = done[name]
+        assert code != 0 and "InvalidAuthToken" in err and out == "", (name, err[-2000:])
+    assert done["with the token"][0] == 0, done["with the token"][2][-2000:]
+    with Client(served["address"], token=TOKEN) as client:  # eyas still serves
+        assert client.generate([5, 17, 33], max_new_tokens=8).token_ids == served["engine"].generate([5, 17, 33], max_new_tokens=8).token_ids
+
+
+def test_the_readme_scaling_works_on_the_embedded_default(served):
     done = eyas("scale", "--draft", "2", "--server", served["address"], "--token", TOKEN)
+    assert done.returncode == 0, done.stderr
+    with Client(served["address"], token=TOKEN) as client:
+        status = client.scale(draft=2, target=1)
+        assert [(p["name"], p["size"], [w["state"] for w in p["workers"]]) for p in status["pools"]] == [
+            ("draft", 2, ["ready", "ready"]), ("target", 1, ["ready"])]
+        assert client.generate([5, 17, 33], max_new_tokens=8).token_ids == served["engine"].generate([5, 17, 33], max_new_tokens=8).token_ids
+        status = client.scale(draft=1)
+    assert wait_until(lambda: len(json.loads(eyas("status", "--server", served["address"], "--token", TOKEN, "--json").stdout)["pools"][0]["workers"]) == 1,
+                      120, "the retired draft worker to go")
+
+
+def test_a_scale_the_cluster_can_never_hold_fails_at_once_naming_what_is_missing(served):
+    done = eyas("scale", "--draft", "250", "--server", served["address"], "--token", TOKEN)
     assert done.returncode == 1
     error = done.stderr.splitlines()[-1]
-    assert error.startswith("eyas scale: error: RESOURCE_EXHAUSTED: pools: pools.draft: 1 more worker(s) of 1 CPU need 1 CPU;"), error
-    assert re.search(r"the cluster has 2 CPU in all, 2 CPU held by eyas-draft-0-\w+, eyas-target-0-\w+: 1 CPU missing", error), error
+    assert error.startswith("eyas scale: error: RESOURCE_EXHAUSTED: pools: pools.draft: 249 more worker(s) of 1 CPU need 249 CPU;"), error
+    assert re.search(r"the cluster has (\d+) CPU in all, 2 CPU held by eyas-draft-0-\w+, eyas-target-0-\w+: (\d+) CPU missing", error), error
     status = json.loads(eyas("status", "--server", served["address"], "--token", TOKEN, "--json").stdout)
     assert [(p["name"], p["size"], len(p["workers"])) for p in status["pools"]] == [("draft", 1, 1), ("target", 1, 1)]
 
@@ -122,6 +183,19 @@ def test_a_second_serve_on_the_same_port_is_refused_naming_it(served):
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert errors == [f"eyas serve: error: port: 127.0.0.1:{port} is in use (another eyas serve?); choose another with --port"], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_lost_worker_is_replaced_and_says_so_on_stderr_only(served):
+    def draft_workers():
+        status = json.loads(eyas("status", "--server", served["address"], "--token", TOKEN, "--json").stdout)
+        return [w for w in status["pools"][0]["workers"] if w["state"] == "ready"]
+
+    victim = draft_workers()[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: [w["pid"] for w in draft_workers()] not in ([], [victim]), 180, "a new draft worker")
+    with Client(served["address"], token=TOKEN) as client:
+        assert client.generate([5, 17, 33], max_new_tokens=8).token_ids == served["engine"].generate([5, 17, 33], max_new_tokens=8).token_ids
+    assert "eyas serve: pools.draft:" in (served["root"] / "serve.log").read_text()
 
 
 def test_serve_shows_its_progress_and_stops_cleanly_on_sigterm_after_printing_one_line(served):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import subprocess
@@ -114,14 +115,16 @@ class Served:
     log: Path
 
 
-def start_serve(root: Path, target: Path, drafter: Path, **sections) -> Served:
-    """Run `eyas serve` on the tiny models (2 Ray CPUs; `sections` add YAML sections) until it is ready."""
+def start_serve(root: Path, target: Path, drafter: Path, env: dict[str, str] | None = None, **sections) -> Served:
+    """Run `eyas serve` on the tiny models (2 Ray CPUs; `sections` add YAML sections, `env` environment variables)
+    until it is ready."""
     config = {"models": {"target": str(target), "drafter": str(drafter)}, "tree": TREE, "ray": {"num_cpus": 2}, **sections}
     (root / "service.yaml").write_text(yaml.safe_dump(config))
     log = root / "serve.log"
     with log.open("w") as stderr:
         proc = subprocess.Popen(
-            [*EYAS, "serve", "--config", str(root / "service.yaml"), "--port", "0"], stdout=subprocess.PIPE, stderr=stderr, text=True
+            [*EYAS, "serve", "--config", str(root / "service.yaml"), "--port", "0"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env={**os.environ, **(env or {})},
         )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] and lines.put(None), daemon=True).start()
