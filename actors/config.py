@@ -18,8 +18,8 @@ from transformers import AutoConfig
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.autotree import EXPLORE
 from eyas.drafters.checkpoint import CheckpointError
-from eyas.pairing import plan_drafter, target_num_layers
 from eyas.emulation import Profile, ProfileError, load_profile
+from eyas.pairing import plan_drafter, target_num_layers
 from eyas.rpc import MIN_REQUEST_BYTES
 from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
