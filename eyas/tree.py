@@ -49,6 +49,12 @@ class TreePolicy:
             raise TreeError("tree.stop", f"must be a number in [0, 1), got {self.stop!r}")
 
     @classmethod
+    def from_official(cls, depth: int, top_k: int, total_token: int) -> "TreePolicy":
+        """The policy drafting the tree of the official EAGLE-2 code's knobs (docs/tree.md#the-official-knobs): its
+        `depth` counts the levels after the first, its `total_token` the root too."""
+        return cls(width=top_k, depth=depth + 1, budget=total_token - 1)
+
+    @classmethod
     def from_dict(cls, spec: dict | "TreePolicy" | None) -> "TreePolicy":
         """Build a policy from a `{"width", "depth", "budget", "stop"}` mapping (`stop` may be left out), refusing
         unknown keys (and the old name `top_k`, which now means only sampling top-k)."""

@@ -33,6 +33,19 @@ def test_bad_knobs_are_refused_by_name(knobs, field):
     assert err.value.field == field
 
 
+def test_the_official_knobs_map_to_one_more_level_and_one_fewer_candidate():
+    """The official code's depth=5, top_k=10, total_token=60 drafts 6 levels and verifies 60 rows, the root among them
+    (docs/tree.md#the-official-knobs): grown level by level as eyas grows it, the policy's tree has exactly that."""
+    policy = TreePolicy.from_official(depth=5, top_k=10, total_token=60)
+    assert policy == TreePolicy(width=10, depth=6, budget=59)
+    tree = DraftTree(root_token=0)
+    for _ in range(policy.depth):
+        expanded = tree.expandable(policy.width)
+        tree.add_children(expanded, [(n, t, 0.9 if t == 0 else 0.01) for n in expanded for t in range(policy.width)])
+    flat = flatten(tree, tree.select(policy.budget), prefix_len=0)
+    assert (flat.num_rows, int(flat.depths.max())) == (60, 6)
+
+
 def test_knobs_are_separate():
     policy = TreePolicy.from_dict({"width": 3, "depth": 7, "budget": 11})
     assert (policy.width, policy.depth, policy.budget, policy.stop) == (3, 7, 11, 0.0)
