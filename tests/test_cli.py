@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers.servicekit import build_models, service_config
+from tests.helpers.servicekit import build_models, cli_in_fresh_process, service_config
 from tests.helpers.tiny import make_drafter, make_target
 
 import ray
@@ -44,18 +44,8 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("argv", [["--help"], ["status", "--help"]])
 def test_help_imports_neither_torch_nor_transformers(argv):
-    probe = (
-        "import sys\n"
-        "from eyas.client.cli import main\n"
-        "try:\n"
-        f"    main({argv!r})\n"
-        "except SystemExit as exc:\n"
-        "    assert exc.code == 0, exc.code\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "[]"
+    done, status, loaded = cli_in_fresh_process(argv)
+    assert (status, loaded) == (0, []), done.stderr
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
@@ -66,14 +56,8 @@ def test_serve_refuses_a_busy_port_before_loading_anything(host, tmp_path):
         busy.bind((host, 0))
         busy.listen()
         port = busy.getsockname()[1]
-        probe = (
-            "import sys\n"
-            "from eyas.client.cli import main\n"
-            f"status = main(['serve', '--config', {str(config)!r}, '--port', '{port}'])\n"
-            "print(status, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
-        )
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.stdout.splitlines()[-1] == "1 []", done.stderr
+        done, status, loaded = cli_in_fresh_process(["serve", "--config", str(config), "--port", str(port)])
+    assert (status, loaded) == (1, []), done.stderr
     assert done.stderr == f"eyas serve: error: port: {host}:{port} is in use (another eyas serve?); choose another with --port\n"
 
 

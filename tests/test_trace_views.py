@@ -9,10 +9,9 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
-from tests.helpers.servicekit import TREE, build_models
+from tests.helpers.servicekit import TREE, build_models, cli_in_fresh_process
 
 from eyas import Engine, wire
 from eyas.client.cli import main
@@ -61,15 +60,8 @@ def test_trace_commands_load_neither_torch_nor_transformers(recorded, command):
     start in well under a second; they must still do their job (exit 0 and print the round, the checks, the diff)."""
     path, target = recorded
     argv = ["trace", *(a.format(trace=path, target=target) for a in command)]
-    probe = (
-        "import sys\n"
-        "from eyas.client.cli import main\n"
-        f"code = main({argv!r})\n"
-        "print('loaded', sorted(m for m in ('torch', 'transformers') if m in sys.modules), 'exit', code)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "loaded [] exit 0"
+    done, status, loaded = cli_in_fresh_process(argv)
+    assert (status, loaded) == (0, []), done.stderr
     assert {"show": "round 1 (version 1)", "check": "all invariants hold", "diff": "identical"}[command[0]] in done.stdout.lower()
 
 

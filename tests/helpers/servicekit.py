@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -24,6 +25,23 @@ from eyas.actors.config import ServiceConfig
 TREE = {"width": 4, "depth": 4, "budget": 12}
 EYAS = [sys.executable, "-m", "eyas.client.cli"]
 EOS = 2  # the tiny tokenizer's end-of-sequence token
+
+
+def cli_in_fresh_process(argv: list[str]) -> tuple[subprocess.CompletedProcess, int, list[str]]:
+    """Run `eyas argv` in a fresh interpreter: the process, the command's exit status, and which of torch,
+    transformers and ray it loaded."""
+    probe = (
+        "import json, sys\n"
+        "from eyas.client.cli import main\n"
+        "try:\n"
+        f"    status = main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    status = exc.code\n"
+        "print(json.dumps([status, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    status, loaded = json.loads(done.stdout.splitlines()[-1]) if done.stdout else (None, None)
+    return done, status, loaded
 
 
 def build_models(root: Path, kind: str = "eagle1") -> tuple[Path, Path]:
