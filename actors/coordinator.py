@@ -54,6 +54,7 @@ from .proxy import RemoteRequest, SessionLost, WorkerLost
 from .routing import Member, PoolError, PoolFactory, WorkerPool
 from .server import advertised_address
 from .target_worker import TargetWorker
+from .worker import rss_bytes
 
 log = logging.getLogger("eyas.service")
 
@@ -527,6 +528,7 @@ class Coordinator:
                 "service_seconds": dict(self.service_seconds),
                 "metrics_address": self.metrics_address,
                 "ray_address": self.ray_address,
+                "coordinator_rss_bytes": rss_bytes(),
                 "emulation": self.config.emulate or "",
                 "metrics": self.metrics.snapshot(),
             }

@@ -381,7 +381,7 @@ def format_status(status: dict) -> str:
     lines += [
         f"manifest {status['manifest_id']}  requests: {status['active']} active, {status['queued']} queued, "
         f"{status['completed']} completed, {status['failed']} failed  tokens {status['tokens']}  "
-        f"tokens/forward {status['mean_accept_length']:.2f}"
+        f"tokens/forward {status['mean_accept_length']:.2f}  coordinator rss {status['coordinator_rss_bytes'] / 2**20:.0f} MiB"
     ]
     for pool in status["pools"]:
         ranks = pool.get("tensor_parallel", 1)

@@ -106,6 +106,7 @@ def test_generate_without_server_uses_the_service_at_the_default_address(served)
 def test_status_says_where_ray_is_and_survives_a_closed_pipe(served):
     status = eyas("status", "--server", served["address"], "--token", TOKEN)
     assert status.returncode == 0, status.stderr
+    assert re.search(r"  coordinator rss [1-9]\d* MiB$", status.stdout.splitlines()[0]), status.stdout  # its own resident memory
     ray_line = status.stdout.splitlines()[-1]
     assert re.fullmatch(r"ray: (\S+:\d+) \(`ray status --address \1`\)", ray_line), ray_line
     assert "ray: an embedded Ray instance at " + ray_line.split()[1] in (served["root"] / "serve.log").read_text()

@@ -207,7 +207,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics", "cancelled", "ray_address", "tree_auto", "tree_chosen", "emulation", "tree_exploring")
+    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics", "cancelled", "ray_address", "tree_auto", "tree_chosen", "emulation", "tree_exploring", "coordinator_rss_bytes")
     class ServiceSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class StatusReply(_message.Message):
     TREE_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     EMULATION_FIELD_NUMBER: _ClassVar[int]
     TREE_EXPLORING_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     active: int
@@ -271,7 +272,8 @@ class StatusReply(_message.Message):
     tree_chosen: _containers.MessageMap[str, _round_pb2.TreePolicy]
     emulation: str
     tree_exploring: int
-    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., cancelled: _Optional[int] = ..., ray_address: _Optional[str] = ..., tree_auto: _Optional[bool] = ..., tree_chosen: _Optional[_Mapping[str, _round_pb2.TreePolicy]] = ..., emulation: _Optional[str] = ..., tree_exploring: _Optional[int] = ...) -> None: ...
+    coordinator_rss_bytes: int
+    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., cancelled: _Optional[int] = ..., ray_address: _Optional[str] = ..., tree_auto: _Optional[bool] = ..., tree_chosen: _Optional[_Mapping[str, _round_pb2.TreePolicy]] = ..., emulation: _Optional[str] = ..., tree_exploring: _Optional[int] = ..., coordinator_rss_bytes: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("draft", "target")
