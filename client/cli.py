@@ -129,7 +129,7 @@ def generate_service(args: argparse.Namespace) -> int:
 def generate_embedded(args: argparse.Namespace) -> int:
     """Start a service (embedded Ray, a free port) for one generation, then stop it."""
     host = configured_host(args.config)
-    rayenv.prepare(embedded_on_loopback=is_loopback(host))
+    rayenv.prepare_embedded(loopback=is_loopback(host))
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import Service
     from eyas.tree import TreePolicy
@@ -300,7 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     say = lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
     host = configured_host(args.config)
     check_port(host, args.port)  # a busy port is refused before anything loads
-    rayenv.prepare(embedded_on_loopback=args.address is None and is_loopback(host))
+    if args.address is None:
+        rayenv.prepare_embedded(loopback=is_loopback(host))
     ready = own_stdout()
     say("loading torch, transformers and Ray")
     from eyas.actors.config import ServiceConfig

@@ -16,17 +16,18 @@ SINGLE_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes 127.0.0.1 as
 GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # a GCS call every client makes first, with an empty request
 
 
-def prepare(embedded_on_loopback: bool) -> None:
-    """Before Ray is imported: ask for token authentication (unless RAY_AUTH_MODE says otherwise), and with
-    `embedded_on_loopback` (an embedded Ray of a service bound to loopback) run every Ray server on 127.0.0.1."""
+def prepare_embedded(loopback: bool) -> None:
+    """Before Ray is imported, for a Ray this process starts: token authentication (unless RAY_AUTH_MODE says
+    otherwise), and with `loopback` (a service bound to loopback) every Ray server on 127.0.0.1. A cluster joined
+    with `--address` is left to the environment, which must name the cluster's token (docs/deploy.md)."""
     os.environ.setdefault(AUTH_MODE, "token")
-    if embedded_on_loopback:
+    if loopback:
         os.environ.setdefault(SINGLE_NODE, "0")
 
 
-def auth_disabled() -> bool:
-    """Whether the environment turns Ray's token authentication off for a Ray started here."""
-    return os.environ.get(AUTH_MODE, "token").lower() != "token"
+def auth_mode() -> str:
+    """RAY_AUTH_MODE as this process and the Ray it starts read it ("" when unset: Ray's own default)."""
+    return os.environ.get(AUTH_MODE, "").lower()
 
 
 def requires_token(gcs_address: str, timeout: float = 10.0) -> bool:

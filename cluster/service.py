@@ -40,6 +40,13 @@ class _DropTokenAuthNotice(logging.Filter):
 logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_DropTokenAuthNotice())
 
 
+INSECURE_RISK = "anyone who reaches its ports can run code in it"
+
+
+def _refusal(what: str) -> ConfigError:
+    return ConfigError(f"ray: {what}: {INSECURE_RISK}; use token authentication (docs/deploy.md) or allow it with --allow-insecure-ray")
+
+
 class ServiceLost(RuntimeError):
     """The coordinator died: nothing serves any more, so `eyas serve` exits (a supervisor restarts it)."""
 
@@ -83,8 +90,10 @@ class Service:
             embedded = self.ray_address is None
             if embedded:  # this machine is the whole cluster: a group must fit its devices
                 self.config.target_pool.check_fits("target", torch.cuda.device_count(), self.config.embedded_cpus())
-                if rayenv.auth_disabled():
-                    self._insecure(f"{rayenv.AUTH_MODE}={os.environ[rayenv.AUTH_MODE]} would start Ray without token authentication")
+                if rayenv.auth_mode() not in ("", "token") and not self.allow_insecure_ray:
+                    raise _refusal(f"{rayenv.AUTH_MODE}={os.environ[rayenv.AUTH_MODE]} would start Ray without token authentication")
+            else:
+                self._check_cluster(self.ray_address)
             ray.init(
                 address=self.ray_address or "local",  # embedded: a new instance, never one `ray start` left here
                 num_cpus=self.config.embedded_cpus() if embedded else None,
@@ -94,9 +103,9 @@ class Service:
             )
             self._owns_ray = True
             gcs = ray.get_runtime_context().gcs_address
-            if not rayenv.requires_token(gcs):
+            if embedded and not rayenv.requires_token(gcs):  # checked, not assumed from the settings
                 try:
-                    self._insecure(f"the Ray cluster at {gcs} takes calls without a token")
+                    self._insecure(f"the embedded Ray at {gcs} takes calls without a token")
                 except ConfigError:
                     self.stop()
                     raise
@@ -123,12 +132,22 @@ class Service:
             raise cause from None
         return self
 
+    def _check_cluster(self, address: str) -> None:
+        """Before joining the cluster whose GCS is at `address`: it must refuse a call without its token, and this
+        process must then hold that token (RAY_AUTH_MODE=token), or Ray's own refusal would take it many seconds."""
+        if not rayenv.requires_token(address):
+            self._insecure(f"the Ray cluster at {address} takes calls without a token")
+        elif rayenv.auth_mode() != "token":
+            raise ConfigError(
+                f"ray: the Ray cluster at {address} requires its token: set {rayenv.AUTH_MODE}=token and the token "
+                "(RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; docs/deploy.md)"
+            )
+
     def _insecure(self, what: str) -> None:
         """Refuse a Ray control plane open to anyone who reaches its ports, or say it is allowed."""
-        risk = "anyone who reaches its ports can run code in it"
         if not self.allow_insecure_ray:
-            raise ConfigError(f"ray: {what}: {risk}; use token authentication (docs/deploy.md) or allow it with --allow-insecure-ray")
-        self._say(f"ray: warning: {what}: {risk} (allowed by --allow-insecure-ray)")
+            raise _refusal(what)
+        self._say(f"ray: warning: {what}: {INSECURE_RISK} (allowed by --allow-insecure-ray)")
 
     def _say(self, line: str) -> None:
         if self._on_progress is not None:

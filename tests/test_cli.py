@@ -5,24 +5,20 @@ Every command runs in its own process, as a user runs it.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
-from tests.helpers.servicekit import build_models, cli_in_fresh_process, service_config
+import yaml
+from tests.helpers.servicekit import EYAS, TREE, build_models, cli_in_fresh_process
 from tests.helpers.tiny import make_drafter, make_target
-
-import ray
 
 from eyas import Engine
 from eyas.actors.config import ConfigError, ServiceConfig
-from eyas.client.client import Client
 from eyas.cluster.service import Service
 from eyas.client.cli import build_parser, read_prompt
-
-EYAS = [sys.executable, "-m", "eyas.client.cli"]
-
 
 def eyas(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*EYAS, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
@@ -85,36 +81,47 @@ def test_a_target_given_as_drafter_is_named_as_such_in_one_line_in_process_and_i
     assert done.stderr.splitlines() == [f"eyas generate: error: drafter checkpoint {tied}: this is a target model (a full causal LM with model.layers.*), not a drafter"]
     config = ServiceConfig.from_dict({"models": {"target": str(target), "drafter": str(target)}})
     with pytest.raises(ConfigError, match=f"^models.drafter: drafter checkpoint {target}: this is a target model .*, not a drafter$"):
-        Service(config, port=0).start()  # refused before Ray starts
-    assert not ray.is_initialized()
+        Service(config, port=0).start()  # refused before Ray starts or is joined
 
 
-def test_an_embedded_ray_without_token_authentication_is_refused_before_it_starts(models, monkeypatch):
+def test_an_embedded_ray_without_token_authentication_is_refused_before_it_starts(models, tmp_path):
     target, drafter = models
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    config = ServiceConfig.from_dict({"models": {"target": str(target), "drafter": str(drafter)}})
-    with pytest.raises(ConfigError, match="^ray: RAY_AUTH_MODE=disabled would start Ray without token authentication: .* --allow-insecure-ray$"):
-        Service(config, port=0).start()
-    assert not ray.is_initialized()
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump({"models": {"target": str(target), "drafter": str(drafter)}}))
+    done = eyas("serve", "--config", str(config), "--port", "0", RAY_AUTH_MODE="disabled")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "eyas serve: error: ray: RAY_AUTH_MODE=disabled would start Ray without token authentication: anyone who reaches "
+        "its ports can run code in it; use token authentication (docs/deploy.md) or allow it with --allow-insecure-ray"
+    )
+    assert "ray: an embedded Ray instance" not in done.stderr  # refused before Ray started
 
 
 @pytest.mark.slow
 def test_joining_a_ray_cluster_without_token_authentication_needs_allow_insecure_ray(tmp_path):
     target, drafter = build_models(tmp_path)
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump({"models": {"target": str(target), "drafter": str(drafter)}, "tree": TREE}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "disabled"}
     code = "import sys, ray; ray.init(num_cpus=2, include_dashboard=False); print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
     open_ray = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    joined = []
     try:
         gcs = open_ray.stdout.readline().strip()
-        config = service_config(target, drafter)
-        with pytest.raises(ConfigError, match=f"^ray: the Ray cluster at {gcs} takes calls without a token: .* --allow-insecure-ray$"):
-            Service(config, address=gcs, port=0).start()
-        assert not ray.is_initialized()
-        lines = []
-        with Service(config, address=gcs, port=0, on_progress=lines.append, allow_insecure_ray=True) as service, Client(service.address) as client:
-            assert client.health()["status"] == "SERVING"
-        assert f"ray: warning: the Ray cluster at {gcs} takes calls without a token: anyone who reaches its ports can run code in it (allowed by --allow-insecure-ray)" in lines
+        serve = [*EYAS, "serve", "--address", gcs, "--config", str(config), "--port", "0"]
+        refused = subprocess.run(serve, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines()[-1].startswith(f"eyas serve: error: ray: the Ray cluster at {gcs} takes calls without a token: ")
+        joined.append(subprocess.Popen([*serve, "--allow-insecure-ray"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        assert joined[0].stdout.readline().startswith("eyas ready at 127.0.0.1:")
+        joined[0].send_signal(signal.SIGTERM)
+        assert joined[0].wait(timeout=120) == 0
+        warning = f"eyas serve: ray: warning: the Ray cluster at {gcs} takes calls without a token: anyone who reaches its ports can run code in it (allowed by --allow-insecure-ray)"
+        assert warning in joined[0].stderr.read().splitlines()
     finally:
+        for proc in joined:
+            if proc.poll() is None:
+                proc.kill()
         open_ray.communicate(timeout=60)  # end of input: the cluster's driver shuts it down
 
 

@@ -154,6 +154,18 @@ def test_the_embedded_ray_listens_on_loopback_only_and_refuses_a_client_without_
         assert client.generate([5, 17, 33], max_new_tokens=8).token_ids == served["engine"].generate([5, 17, 33], max_new_tokens=8).token_ids
 
 
+def test_joining_a_token_cluster_without_its_token_is_refused_in_one_line(served):
+    gcs = json.loads(eyas("status", "--server", served["address"], "--token", TOKEN, "--json").stdout)["ray_address"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    done = subprocess.run([*EYAS, "serve", "--address", gcs, "--config", str(served["root"] / "service.yaml"), "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env=clean)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"eyas serve: error: ray: the Ray cluster at {gcs} requires its token: set RAY_AUTH_MODE=token and the token "
+        "(RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; docs/deploy.md)"
+    )
+
+
 def test_the_readme_scaling_works_on_the_embedded_default(served):
     done = eyas("scale", "--draft", "2", "--server", served["address"], "--token", TOKEN)
     assert done.returncode == 0, done.stderr
