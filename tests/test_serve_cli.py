@@ -28,9 +28,6 @@ pytestmark = pytest.mark.slow  # `eyas serve` in subprocesses, each with its own
 TOKEN = "serve-test-token"
 
 
-pytestmark = pytest.mark.slow  # one `eyas serve` subprocess for the module, and more CLI processes
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
