@@ -6,6 +6,7 @@ name, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -16,11 +17,15 @@ from transformers import AutoConfig
 
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.autotree import EXPLORE
+from eyas.drafters.checkpoint import CheckpointError
 from eyas.emulation import Profile, ProfileError, load_profile
+from eyas.pairing import plan_drafter, target_num_layers
+from eyas.rpc import MIN_REQUEST_BYTES
 from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
 from eyas.tree import TreePolicy
 
+from .server import DEFAULT_HOST
 from .worker import WorkerSpec
 
 
@@ -98,7 +103,7 @@ class ServiceConfig:
     tree: TreePolicy | str = "auto"  # "auto": the coordinator's tuner chooses each round's tree (eyas.autotree)
     draft_pool: PoolConfig = PoolConfig()
     target_pool: PoolConfig = PoolConfig()
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     token: str | None = None
     max_active: int = 32
     kv_slots: int = 16  # requests one worker's KV pool holds at once; more wait for a slot (admission by capacity)
@@ -137,7 +142,7 @@ class ServiceConfig:
             try:
                 tree = TreePolicy.from_dict(tree)
             except ValueError as exc:
-                raise ConfigError(f"tree.{exc}") from None
+                raise ConfigError(str(exc)) from None
         layers = models.get("feature_layers")
         config = cls(
             target=_path(models.get("target")),
@@ -150,7 +155,7 @@ class ServiceConfig:
             tree=tree,
             draft_pool=_pool(pools.get("draft") or {}, "draft"),
             target_pool=_pool(pools.get("target") or {}, "target"),
-            host=network.get("host", "127.0.0.1"),
+            host=network.get("host", DEFAULT_HOST),
             token=network.get("token"),
             **service,
             ray_num_cpus=ray_section.get("num_cpus"),
@@ -170,17 +175,27 @@ class ServiceConfig:
             raise ConfigError(f"service.max_active: must be an integer >= 1, got {self.max_active!r}")
         if type(self.kv_slots) is not int or self.kv_slots < 1:
             raise ConfigError(f"service.kv_slots: must be an integer >= 1, got {self.kv_slots!r}")
-        if type(self.max_request_bytes) is not int or not 1024 <= self.max_request_bytes <= 256 << 20:
-            raise ConfigError(f"service.max_request_bytes: must be an integer 1024..{256 << 20}, got {self.max_request_bytes!r}")
+        if type(self.max_request_bytes) is not int or not MIN_REQUEST_BYTES <= self.max_request_bytes <= 256 << 20:
+            raise ConfigError(f"service.max_request_bytes: must be an integer {MIN_REQUEST_BYTES}..{256 << 20}, got {self.max_request_bytes!r}")
         if type(self.draft_ahead) is not int or not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
             raise ConfigError(f"service.draft_ahead: must be an integer in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead!r}")
         if type(self.max_rebuilds) is not int or self.max_rebuilds < 0:
             raise ConfigError(f"service.max_rebuilds: must be an integer >= 0, got {self.max_rebuilds!r}")
         if self.metrics_port is not None and (type(self.metrics_port) is not int or not 0 <= self.metrics_port < 65536):
             raise ConfigError(f"service.metrics_port: must be null or a port number 0..65535 (0: any free port), got {self.metrics_port!r}")
+        if self.ray_num_cpus is not None and (type(self.ray_num_cpus) is not int or self.ray_num_cpus < 1):
+            raise ConfigError(f"ray.num_cpus: must be null or an integer >= 1, got {self.ray_num_cpus!r}")
         for key in ("rpc_timeout_s", "ready_timeout_s"):
             if not isinstance(getattr(self, key), (int, float)) or getattr(self, key) <= 0:
                 raise ConfigError(f"service.{key}: must be a positive number of seconds")
+
+    def embedded_cpus(self) -> int:
+        """Logical CPUs of an embedded Ray: `ray.num_cpus`, else this machine's cores or, when more, twice what the
+        pools reserve, so each pool can double at run time (`eyas scale`) on any machine (docs/deploy.md)."""
+        if self.ray_num_cpus is not None:
+            return self.ray_num_cpus
+        pools = sum(p.replicas * p.tensor_parallel * p.num_cpus for p in (self.draft_pool, self.target_pool))
+        return max(os.cpu_count() or 1, math.ceil(2 * pools))
 
     @property
     def tree_limit(self) -> TreePolicy:
@@ -229,6 +244,14 @@ class ServiceConfig:
             emulate=self.emulate,
             rpc_timeout_s=self.rpc_timeout_s,
         )
+
+    def check_drafter(self) -> None:
+        """Refuse a drafter directory that holds no drafter (a target model, say) before any worker loads it."""
+        target, drafter = self.models()
+        try:
+            plan_drafter(drafter, target_num_layers(target), self.feature_layers)
+        except CheckpointError as exc:
+            raise ConfigError(f"models.drafter: {exc}") from None
 
     def check_target_split(self) -> None:
         """Refuse a target group that would not split the target's heads, kv heads, experts or vocabulary evenly."""

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 from eyas.autotree import Costs, TreeTuner
 from eyas.errors import RequestError
 from eyas.manifest import Manifest
-from eyas.request import RequestState, StopRules, make_sampling, tokenize_prompt
+from eyas.request import RequestState, StopRules, make_sampling, prompt_within
 from eyas.rounds import RoundRecord, round_steps, start
 from eyas.steps import Steps
 from eyas.trace.messages import verify_exchange
@@ -54,6 +54,7 @@ from .proxy import RemoteRequest, SessionLost, WorkerLost
 from .routing import Member, PoolError, PoolFactory, WorkerPool
 from .server import advertised_address
 from .target_worker import TargetWorker
+from .worker import rss_bytes
 
 log = logging.getLogger("eyas.service")
 
@@ -233,19 +234,12 @@ class Coordinator:
         (with this request's trace frames when `trace`)."""
         check_id(request_id, "request_id")
         check_stop(list(stop))
-        sampling_params = make_sampling(**(sampling or {}))
+        sampling_params = make_sampling("sampling.", **(sampling or {}))
         rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_positions)
-        elif self.max_positions and len(prompt) > self.max_positions:
-            raise RequestError("prompt", f"{len(prompt)} tokens exceed the target's {self.max_positions} positions")
-        ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
-        if self.max_positions and len(ids) + max_new_tokens > self.max_positions:
-            raise RequestError(
-                "max_new_tokens",
-                f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the target's "
-                f"{self.max_positions} positions",
-            )
+        where = f"the target's {self.max_positions} positions"
+        ids = prompt_within(prompt, self.tokenizer, self.vocab_size, max_new_tokens, self.max_positions, where)
         policy = self._check_tree(tree) if tree is not None else None if self.config.tree == "auto" else self.config.tree
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         state = RequestState(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling_params, rules, decode=decode)
@@ -263,14 +257,17 @@ class Coordinator:
 
     def _tree_status(self) -> dict:
         """The fixed policy's knobs, or under auto the latest policy chosen at each concurrency (from the tuner's
-        history: an exploration clears its current choices, not what it chose before)."""
+        history: an exploration clears its current choices, not what it chose before) and the exploring rounds
+        still to run before it chooses (a short request may end within the first exploration)."""
         if self.tuner is None:
             return {"tree": dataclasses.asdict(self.config.tree), "tree_auto": False}
         latest: dict[int, TreePolicy] = {}
         with self._tuner_lock:
             for entry in self.tuner.history:  # oldest first: the latest choice at each concurrency wins
                 latest[entry["concurrent"]] = entry["policy"]
-        return {"tree_auto": True, "tree_chosen": {str(n): dataclasses.asdict(p) for n, p in sorted(latest.items())}}
+            exploring = self.tuner.exploring
+        chosen = {str(n): dataclasses.asdict(p) for n, p in sorted(latest.items())}
+        return {"tree_auto": True, "tree_chosen": chosen, "tree_exploring": exploring}
 
     def _trace_sink(self, job: Job) -> Callable[[bytes], None]:
         """Trace frames go to the service's trace file and, when the client asked, to its next chunk."""
@@ -531,6 +528,7 @@ class Coordinator:
                 "service_seconds": dict(self.service_seconds),
                 "metrics_address": self.metrics_address,
                 "ray_address": self.ray_address,
+                "coordinator_rss_bytes": rss_bytes(),
                 "emulation": self.config.emulate or "",
                 "metrics": self.metrics.snapshot(),
             }

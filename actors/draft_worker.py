@@ -175,7 +175,7 @@ class DraftWorker(Worker):
             raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "draft.assumed", "this worker does not draft ahead for an assumed outcome")
         if not ask.HasField("policy"):
             raise wire.WireError("draft.policy", "is missing")
-        policy = wire.policy_from_proto(ask.policy)
+        policy = wire.policy_from_proto(ask.policy, "draft.policy")
         self.check_policy(policy, "draft.policy.")
         root = self.check_tokens([ask.root_token], "draft.root_token")[0]
         if not msg.round_id or len(msg.round_id.encode()) > MAX_ROUND_ID_BYTES:

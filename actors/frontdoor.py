@@ -3,8 +3,9 @@
 It converts messages and streams; the coordinator owns requests. A client that goes away
 cancels its requests, which frees their caches at the next round boundary. Messages arrive as
 bytes (at most `service.max_request_bytes`, refused by gRPC before decoding) and are decoded
-here, so a malformed one is INVALID_ARGUMENT; admission (tokenizing included) runs off the event
-loop, so no request delays another call.
+here, so a malformed one, or one carrying a field its schema does not define, is
+INVALID_ARGUMENT; admission (tokenizing included) runs off the event loop, so no request delays
+another call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from eyas import wire
-from eyas.errors import RequestError
+from eyas.errors import RequestError, WireError
 from eyas.v1 import service_pb2 as spb
 from eyas.v1 import service_pb2_grpc as spb_grpc
 
@@ -62,10 +63,12 @@ class FrontDoor(spb_grpc.EyasServicer):
     def __init__(self, coordinator: Requests):
         self.coordinator = coordinator
         self._server: grpc.aio.Server | None = None
+        self.max_request_bytes = 0
 
     def bind(self, host: str, port: int, token: str | None, max_request_bytes: int) -> int:
         """Take host:port for eyas.v1.Eyas (a busy port is refused at once); calls are answered only after `start`."""
         handler = self._handler()
+        self.max_request_bytes = max_request_bytes
         self._server, bound = bind_server(
             lambda s: s.add_generic_rpc_handlers((handler,)), host, port, token, max_receive_bytes=max_request_bytes
         )
@@ -179,6 +182,7 @@ class FrontDoor(spb_grpc.EyasServicer):
                         continue
                     collector = _Collector(item.id, self.coordinator.manifest_id, _emitter(loop, results))
                     try:
+                        wire.check_known(item)
                         check_id(item.id, "id")
                         jobs.append(await asyncio.to_thread(self._admit, item.request, collector.add))
                     except Exception as exc:
@@ -227,7 +231,7 @@ class FrontDoor(spb_grpc.EyasServicer):
         return spb.StatusReply(**status)
 
     async def Health(self, request: spb.HealthRequest, context: grpc.aio.ServicerContext) -> spb.HealthReply:
-        return spb.HealthReply(status="SERVING", manifest_id=self.coordinator.manifest_id)
+        return spb.HealthReply(status="SERVING", manifest_id=self.coordinator.manifest_id, max_request_bytes=self.max_request_bytes)
 
 
 def _serialize(message: Message) -> bytes:
@@ -235,11 +239,16 @@ def _serialize(message: Message) -> bytes:
 
 
 async def _parse(raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext) -> Message:
-    """Decode a request, or end the call with INVALID_ARGUMENT naming the message."""
+    """Decode a request, or end the call with INVALID_ARGUMENT naming the message (or a field it does not define)."""
     try:
-        return request_type.FromString(raw)
+        msg = request_type.FromString(raw)
     except DecodeError as exc:
         await abort(context, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a {request_type.__name__}: {exc}"))
+    try:
+        wire.check_known(msg)
+    except WireError as exc:
+        await abort(context, exc)
+    return msg
 
 
 class _Collector:

@@ -30,7 +30,7 @@ def check_stop(stop: list[str]) -> None:
         raise RequestError("stop", f"{len(stop)} stop strings exceed the limit of {MAX_STOP_STRINGS}")
     for i, s in enumerate(stop):
         if len(s.encode()) > MAX_STOP_BYTES:
-            raise RequestError("stop", f"stop[{i}] has {len(s.encode())} bytes, over the limit of {MAX_STOP_BYTES}")
+            raise RequestError(f"stop[{i}]", f"{len(s.encode())} bytes exceed the limit of {MAX_STOP_BYTES}")
 
 
 def check_prompt_text(text: str, max_positions: int) -> None:
@@ -39,6 +39,6 @@ def check_prompt_text(text: str, max_positions: int) -> None:
     size = len(text.encode())
     if max_positions and size > limit:
         raise RequestError(
-            "prompt.text",
+            "prompt",
             f"{size} bytes exceed the limit of {limit} ({PROMPT_BYTES_PER_POSITION} per target position, {max_positions} positions)",
         )

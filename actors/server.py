@@ -18,6 +18,7 @@ import grpc
 
 from eyas.rpc import TOKEN_KEY
 
+DEFAULT_HOST = "127.0.0.1"  # what every server binds unless configured otherwise
 TIMING_KEY = "eyas-timing"
 WORKER_MESSAGE_BYTES = 256 << 20  # largest message between coordinator and workers (a long prefill's features)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", WORKER_MESSAGE_BYTES), ("grpc.max_send_message_length", WORKER_MESSAGE_BYTES)]

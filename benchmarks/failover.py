@@ -110,7 +110,7 @@ def health_under_refusals(refusals: int = 6) -> dict:
                 try:
                     client.generate(prompt, max_new_tokens=4)
                 except EyasError as exc:
-                    assert exc.field == "prompt.text", exc
+                    assert exc.field == "prompt", exc
                 refused.append(time.perf_counter() - t0)
 
         with ThreadPoolExecutor(2) as pool:

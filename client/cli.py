@@ -9,12 +9,17 @@ import sys
 from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
+from typing import TextIO
 
+import yaml
+
+from eyas.actors.server import DEFAULT_HOST, check_port, is_loopback
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.client.bench.commands import add_bench_commands
 from eyas.client.client import Client, EyasError, default_address
 from eyas.client.loading import quiet_loading
 from eyas.client.trace_cli import add_trace_commands
+from eyas.cluster import rayenv
 
 EXIT_FAILED = 1  # the command ran and could not do its job (no service, no resources, a divergence found)
 EXIT_BAD_INPUT = 2  # the input is wrong (usage, a value, a missing file or model); argparse exits 2 as well
@@ -81,7 +86,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     $EYAS_SERVER or 127.0.0.1:50051, else an embedded one started for this call), or in this process with --local;
     print it as it is generated (or a JSON record with statistics)."""
     tree_args(args)  # an ambiguous --top-k is refused before anything starts
+    if args.prompt is None:
+        args.prompt = read_prompt(args.prompt_file)
     return generate_local(args) if args.local else generate_service(args)
+
+
+def read_prompt(path: str) -> str:
+    """The prompt text in a UTF-8 file, or on standard input for `-` (read exactly, trailing newline included)."""
+    data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompt-file: {path} is not UTF-8 (byte {exc.start})") from None
 
 
 def running_service(address: str, token: str | None) -> bool:
@@ -112,6 +128,8 @@ def generate_service(args: argparse.Namespace) -> int:
 
 def generate_embedded(args: argparse.Namespace) -> int:
     """Start a service (embedded Ray, a free port) for one generation, then stop it."""
+    host = configured_host(args.config)
+    rayenv.prepare_embedded(loopback=is_loopback(host))
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import Service
     from eyas.tree import TreePolicy
@@ -279,6 +297,13 @@ def cmd_vllm_setup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
     and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
+    say = lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    host = configured_host(args.config)
+    check_port(host, args.port)  # a busy port is refused before anything loads
+    if args.address is None:
+        rayenv.prepare_embedded(loopback=is_loopback(host))
+    ready = own_stdout()
+    say("loading torch, transformers and Ray")
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import serve
 
@@ -287,16 +312,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ServiceConfig.load(args.config),
         args.address,
         args.port,
-        lambda address: print(f"eyas ready at {address}", flush=True),
+        lambda address: print(f"eyas ready at {address}", file=ready, flush=True),
         trace=args.trace,
-        on_progress=lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True),
+        on_progress=say,
+        allow_insecure_ray=args.allow_insecure_ray,
     )
     return 0
 
 
+def own_stdout() -> TextIO:
+    """This process's stdout for its one line; from now on whatever else writes to stdout (Ray's lines forwarded
+    from its workers, such as a worker's death) goes to stderr."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return out
+
+
+def configured_host(config: str | None) -> str:
+    """`network.host` of a service config file, read without loading the service (whose load checks the rest)."""
+    data = yaml.safe_load(Path(config).read_text()) if config else None
+    network = data.get("network") if isinstance(data, dict) else None
+    host = network.get("host") if isinstance(network, dict) else None
+    return host if isinstance(host, str) else DEFAULT_HOST
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     """Run a JSONL batch job on a running service; resumable (ids already in the output are skipped).
-    Input lines: {"id", "prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}."""
+    Input lines: {"id", "prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}.
+    A bad line (not JSON, an unknown option, larger than the service takes, refused by the service) is reported
+    on stderr with its line number and id, and the job goes on. Exit status: 0 every line written or skipped,
+    2 some lines were bad input (the others written), 1 some lines failed otherwise (the service could not serve them)."""
     from eyas.client.jobs import run_job
 
     with Client(args.server, token=args.token) as client:
@@ -305,7 +351,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         where = f"line {error['line']}" + (f" (id {error['id']})" if error.get("id") else "")
         print(f"eyas submit: {where}: {error['code']}: {error['message']}", file=sys.stderr)
     print(f"{report.written} written, {report.skipped} skipped (already done), {len(report.errors)} failed", file=sys.stderr)
-    return 0 if report.ok else 1
+    if report.ok:
+        return 0
+    return EXIT_BAD_INPUT if all(error["code"] in BAD_INPUT_CODES for error in report.errors) else EXIT_FAILED
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -334,7 +382,7 @@ def format_status(status: dict) -> str:
     lines += [
         f"manifest {status['manifest_id']}  requests: {status['active']} active, {status['queued']} queued, "
         f"{status['completed']} completed, {status['failed']} failed  tokens {status['tokens']}  "
-        f"tokens/forward {status['mean_accept_length']:.2f}"
+        f"tokens/forward {status['mean_accept_length']:.2f}  coordinator rss {status['coordinator_rss_bytes'] / 2**20:.0f} MiB"
     ]
     for pool in status["pools"]:
         ranks = pool.get("tensor_parallel", 1)
@@ -353,7 +401,8 @@ def format_status(status: dict) -> str:
     knobs = lambda t: f"{t['width']}/{t['depth']}/{t['budget']}" + (f" stop {t['stop']:g}" if t.get("stop") else "")  # noqa: E731
     if status.get("tree_auto"):
         chosen = ", ".join(f"{n} at once: {knobs(t)}" for n, t in sorted((status.get("tree_chosen") or {}).items(), key=lambda i: int(i[0])))
-        lines.append(f"tree: auto (width/depth/budget chosen so far: {chosen or 'none yet'})")
+        exploring = f"exploring, {status['tree_exploring']} round(s) to go before it chooses; " if status.get("tree_exploring") else ""
+        lines.append(f"tree: auto ({exploring}width/depth/budget chosen so far: {chosen or 'none yet'})")
     elif status.get("tree"):
         lines.append(f"tree: {knobs(status['tree'])} (width/depth/budget)")
     metrics = status.get("metrics") or {}
@@ -381,7 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion", description=cmd_generate.__doc__)
-    gen.add_argument("--prompt", required=True, help="prompt text (tokenized with the target's tokenizer)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the target's tokenizer)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 file, exactly as it is (- reads standard input): for a prompt too long for a command line")
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON record with token ids and statistics")
@@ -396,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="join the Ray cluster at this address instead of starting an embedded one")
     serve.add_argument("--port", type=int, default=50051, help="front door port on 127.0.0.1 (default 50051; 0 picks one)")
     serve.add_argument("--trace", help="append every request's rounds to this trace file")
+    serve.add_argument("--allow-insecure-ray", action="store_true", help="start or join a Ray whose control plane takes calls without a token (RAY_AUTH_MODE=disabled, or a cluster started without token authentication); refused otherwise (docs/deploy.md)")
     serve.set_defaults(func=cmd_serve)
 
     submit = sub.add_parser("submit", help="run a JSONL batch job", description=cmd_submit.__doc__)

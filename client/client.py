@@ -1,7 +1,8 @@
 """The Python client of a running eyas service: generate, stream, batch jobs, status, scaling.
 
 Talks gRPC only (no Ray in the client process). Failures raise `EyasError` with the status code
-and the field the service named.
+and the field the service named. A message larger than the service takes is refused here, before it
+is sent, naming `prompt` (gRPC's transport on the service's side would refuse it without naming any).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import Message
 
-from eyas.rpc import FIELD_KEY, call_metadata, field_of
+from eyas.rpc import FIELD_KEY, MIN_REQUEST_BYTES, call_metadata, field_of
 from eyas.trace.store import TraceWriter
 from eyas.v1 import service_pb2 as spb
 from eyas.v1 import service_pb2_grpc as spb_grpc
@@ -120,6 +121,7 @@ class Client:
         self.metadata = call_metadata(token or os.environ.get("EYAS_TOKEN"))
         self._channel = grpc.insecure_channel(self.address)
         self.stub = spb_grpc.EyasStub(self._channel)
+        self._max_request_bytes: int | None = None
 
     def close(self) -> None:
         self._channel.close()
@@ -136,8 +138,11 @@ class Client:
         With `trace`, the service streams this request's trace records back (the tree and decision bytes as
         they crossed its wire) and they are appended to that local file as they arrive.
         """
+        request = build_request(prompt, trace=trace is not None, **options)
+        refusal = self.oversize(request, request)
+        if refusal is not None:
+            raise refusal
         writer = TraceWriter(trace) if trace is not None else None
-        request = build_request(prompt, trace=writer is not None, **options)
         call = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
         try:
             for msg in call:
@@ -159,6 +164,24 @@ class Client:
             tokens += chunk.token_ids
             text.append(chunk.text)
         return Result(chunk.request_id, tokens, "".join(text), chunk.finish_reason, chunk.stats)
+
+    def oversize(self, message: Message, request: spb.GenerateRequest) -> EyasError | None:
+        """The refusal of a `message` (carrying `request`) larger than the service takes, or None when it fits: it
+        names `prompt` when the rest of the message would fit. The service's limit is asked once, from Health."""
+        size = message.ByteSize()
+        if size <= MIN_REQUEST_BYTES:
+            return None
+        if self._max_request_bytes is None:
+            self._max_request_bytes = self.health()["max_request_bytes"]
+        limit = self._max_request_bytes
+        if size <= limit:
+            return None
+        prompt = len(request.text.encode()) if request.HasField("text") else request.token_ids.ByteSize()
+        field = "prompt" if size - prompt <= limit else "message"
+        return EyasError(
+            "INVALID_ARGUMENT", field,
+            f"{field}: the request is {size} bytes, over the service's limit of {limit} (service.max_request_bytes)",
+        )
 
     def _unary(self, method: str, request):
         try:

@@ -4,8 +4,8 @@ Input, one JSON object per line: `prompt` (text or a list of token ids) and opti
 (default: the line number), `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`,
 `ignore_eos`. Output, one line per finished request, in completion order: `id`, `request_id`,
 `token_ids`, `text`, `finish_reason`, `stats`. A rerun skips ids already in the output, so an
-interrupted job resumes where it stopped. A bad line (not UTF-8, not JSON, unknown option, or a
-request the service refuses) is reported and the job goes on.
+interrupted job resumes where it stopped. A bad line (not UTF-8, not JSON, unknown option, larger
+than the service takes, or a request the service refuses) is reported and the job goes on.
 """
 
 from __future__ import annotations
@@ -120,8 +120,13 @@ def run_job(client: Client, in_jsonl: str | Path, out_jsonl: str | Path, progres
         if item_id in lines:
             report.errors.append({"line": number, "id": item_id, "code": "INVALID_ARGUMENT", "message": f"id: duplicate of line {lines[item_id]}"})
             continue
+        item = spb.JobItem(id=item_id, request=request)
+        refusal = client.oversize(item, request)  # sent, it would end the whole job's call
+        if refusal is not None:
+            report.errors.append({"line": number, "id": item_id, "code": refusal.code, "field": refusal.field, "message": refusal.details})
+            continue
         lines[item_id] = number
-        items.append(spb.JobItem(id=item_id, request=request))
+        items.append(item)
     if not items:
         return report
 

@@ -9,10 +9,12 @@ the model-free invariant checks.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from eyas.drafters import Drafter
 from eyas.errors import RequestError
@@ -110,8 +112,9 @@ def replay_request(
     report: ReplayReport,
     tolerance: float = TOLERANCE,
     label: Label = str,
+    on_round: Callable[[], object] = lambda: None,
 ) -> Divergence | None:
-    """Re-verify one request's rounds in order; the first divergence stops it."""
+    """Re-verify one request's rounds in order (`on_round` after each); the first divergence stops it."""
     decode = target.tokenizer.decode if target.tokenizer is not None else None
     try:
         state = rebuild_request(request, decode)
@@ -154,13 +157,20 @@ def replay_request(
         if emitted != rnd.emitted:
             return diverged(Difference("emitted tokens", None, str(rnd.emitted), str(emitted)))
         report.rounds += 1
+        on_round()
     return None
 
 
 def replay_trace(
-    trace: Trace, target: TargetModel, drafter: Drafter | None = None, tolerance: float = TOLERANCE, label: Label = str
+    trace: Trace,
+    target: TargetModel,
+    drafter: Drafter | None = None,
+    tolerance: float = TOLERANCE,
+    label: Label = str,
+    progress: bool = False,
 ) -> ReplayReport:
-    """Check every invariant, then replay every request (redrafting when a drafter is given)."""
+    """Check every invariant, then replay every request (redrafting when a drafter is given); `progress` shows a bar of
+    rounds replayed on stderr."""
     requests = trace.requests
     report = ReplayReport(requests=len(requests), violations=check_trace(requests))
     report.notes += [f"{trace.path}: {p}" for p in trace.problems]
@@ -172,10 +182,11 @@ def replay_trace(
             "differ between a batched and a lone forward, so a tree drafted beside batch-mates may be redrafted otherwise "
             "where candidates nearly tie; a float32 drafter (models.draft_dtype, --draft-dtype) on both sides redrafts it as recorded"
         )
-    for request in requests:
-        divergence = replay_request(request, target, drafter, report, tolerance, label)
-        if divergence is not None:
-            report.divergences.append(divergence)
+    with tqdm(total=sum(len(r.rounds) for r in requests), unit="round", file=sys.stderr, disable=not progress, desc="eyas replay") as bar:
+        for request in requests:
+            divergence = replay_request(request, target, drafter, report, tolerance, label, lambda: bar.update(1))
+            if divergence is not None:
+                report.divergences.append(divergence)
     return report
 
 

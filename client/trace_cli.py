@@ -20,23 +20,28 @@ def _read(path: str) -> Trace:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Re-verify every recorded tree against the target from the committed prefix with the recorded seed (and,
-    with --redraft, run the drafter again and compare its trees); print "identical" or the first divergence."""
-    from eyas import Engine
+    with --redraft, run the drafter again and compare its trees); print "identical" or the first divergence.
+    Progress (loading, then a bar of rounds replayed) goes to stderr."""
     from eyas.assets import DEFAULT_DRAFTER, demo_model
+
+    trace = _read(args.path)
+    rounds = sum(len(r.rounds) for r in trace.requests)
+    target_dir = args.target or demo_model("target")
+    models = f"{target_dir} and its drafter" if args.redraft else target_dir
+    print(f"eyas replay: {len(trace.requests)} request(s), {rounds} round(s); loading {models}", file=sys.stderr, flush=True)
+    from eyas import Engine
     from eyas.target import TargetModel
 
     from .replay import replay_trace
     from .trace_text import token_labeler
 
-    trace = _read(args.path)
     quiet_loading()
-    target_dir = args.target or demo_model("target")
     if args.redraft:
         engine = Engine.from_pretrained(target_dir, args.drafter or demo_model(DEFAULT_DRAFTER), draft_dtype=args.draft_dtype)
         target, drafter = engine.target, engine.drafter
     else:
         target, drafter = TargetModel.from_pretrained(target_dir), None
-    report = replay_trace(trace, target, drafter, args.tolerance, token_labeler(target.tokenizer))
+    report = replay_trace(trace, target, drafter, args.tolerance, token_labeler(target.tokenizer), progress=not args.no_progress)
     print("\n".join(report.lines()))
     return 0 if report.identical else 1
 
@@ -115,6 +120,7 @@ def add_trace_commands(sub: argparse._SubParsersAction) -> None:
     replay.add_argument("--redraft", action="store_true", help="also run the drafter again and compare its trees")
     replay.add_argument("--draft-dtype", default="auto", help="the redrafting drafter's dtype: auto (as the engine chooses), float32, bfloat16 or float16")
     replay.add_argument("--tolerance", type=float, default=1e-6, help="largest probability difference called identical")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     replay.set_defaults(func=cmd_replay)
 
     trace = sub.add_parser("trace", help="look at traces: show, diff, check")

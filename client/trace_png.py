@@ -6,8 +6,19 @@ from pathlib import Path
 
 from eyas.trace.summary import Summary
 
+EDGE = 0.85  # a count label of a point past this share of an axis is drawn on the point's inner side
+
 
 def write_png(out: str | Path, title: str, summary: Summary) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw_charts(title, summary)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def draw_charts(title: str, summary: Summary):
+    """The two charts on one matplotlib figure (Agg), every label inside its chart."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,11 +33,14 @@ def write_png(out: str | Path, title: str, summary: Summary) -> None:
     calib_ax.plot([0, 1], [0, 1], "--", color="#d55", label="perfect calibration")
     calib_ax.plot([b.mean_confidence for b in buckets], [b.acceptance for b in buckets], "o-", color="#1a7f37", label="observed")
     for b in buckets:
-        calib_ax.annotate(str(b.nodes), (b.mean_confidence, b.acceptance), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    calib_ax.set(xlabel="draft confidence (bucket mean)", ylabel="accepted share of tried nodes", xlim=(0, 1), ylim=(0, 1))
+        right, top = b.mean_confidence > EDGE, b.acceptance > EDGE
+        calib_ax.annotate(
+            str(b.nodes), (b.mean_confidence, b.acceptance), textcoords="offset points", xytext=(-5 if right else 5, -5 if top else 5),
+            ha="right" if right else "left", va="top" if top else "bottom", fontsize=7,
+        )
+    calib_ax.set(xlabel="draft confidence (bucket mean)", ylabel="accepted share of tried nodes", xlim=(0, 1.03), ylim=(0, 1.04))
     calib_ax.set_title("calibration (labels: nodes per bucket)")
     calib_ax.legend(loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig

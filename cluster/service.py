@@ -1,12 +1,15 @@
 """Bringing a service up: Ray (an embedded local instance, or an existing cluster), the coordinator, its pools.
 
 The coordinator actor is pinned to this process's node, so its front door's 127.0.0.1 address is
-reachable from here. With an embedded Ray instance, stopping the service also stops Ray.
+reachable from here. With an embedded Ray instance, stopping the service also stops Ray. A Ray the
+service starts or joins must refuse calls without its token (docs/deploy.md), unless the caller
+allows an insecure one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -16,10 +19,11 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from eyas.actors.config import ServiceConfig
+from eyas.actors.config import ConfigError, ServiceConfig
 from eyas.actors.coordinator import Coordinator
 from eyas.actors.server import check_port
 
+from . import rayenv
 from .pools import Pool, root_cause
 
 DEFAULT_PORT = 50051
@@ -36,6 +40,13 @@ class _DropTokenAuthNotice(logging.Filter):
 logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_DropTokenAuthNotice())
 
 
+INSECURE_RISK = "anyone who reaches its ports can run code in it"
+
+
+def _refusal(what: str) -> ConfigError:
+    return ConfigError(f"ray: {what}: {INSECURE_RISK}; use token authentication (docs/deploy.md) or allow it with --allow-insecure-ray")
+
+
 class ServiceLost(RuntimeError):
     """The coordinator died: nothing serves any more, so `eyas serve` exits (a supervisor restarts it)."""
 
@@ -45,6 +56,7 @@ class Service:
 
     With `trace` (a file path), every request's rounds are appended to that trace. `on_progress` receives
     one line per step of bringing it up (Ray, each worker waiting, loading, ready) and, through `report`, later.
+    `allow_insecure_ray` lets it start or join a Ray whose control plane takes calls without a token.
     """
 
     def __init__(
@@ -54,8 +66,10 @@ class Service:
         port: int = DEFAULT_PORT,
         trace: str | None = None,
         on_progress: Callable[[str], None] | None = None,
+        allow_insecure_ray: bool = False,
     ):
         self.config = config
+        self.allow_insecure_ray = allow_insecure_ray
         self.ray_address = address
         self.port = port
         self.trace = str(Path(trace).resolve()) if trace else None
@@ -69,20 +83,32 @@ class Service:
         """Start (or join) Ray, then the coordinator and both pools; returns once the front door serves."""
         if not self.config.emulate:
             self.config.models()  # a missing model directory is reported before anything starts
+            self.config.check_drafter()  # so is a drafter directory holding no drafter
         self.config.check_target_split()  # so is a target group that cannot split the target evenly
         check_port(self.config.host, self.port)  # so is a busy front-door port (the coordinator runs on this node)
         if not ray.is_initialized():
             embedded = self.ray_address is None
             if embedded:  # this machine is the whole cluster: a group must fit its devices
-                self.config.target_pool.check_fits("target", torch.cuda.device_count(), self.config.ray_num_cpus)
+                self.config.target_pool.check_fits("target", torch.cuda.device_count(), self.config.embedded_cpus())
+                if rayenv.auth_mode() not in ("", "token") and not self.allow_insecure_ray:
+                    raise _refusal(f"{rayenv.AUTH_MODE}={os.environ[rayenv.AUTH_MODE]} would start Ray without token authentication")
+            else:
+                self._check_cluster(self.ray_address)
             ray.init(
                 address=self.ray_address or "local",  # embedded: a new instance, never one `ray start` left here
-                num_cpus=self.config.ray_num_cpus if embedded else None,
+                num_cpus=self.config.embedded_cpus() if embedded else None,
                 include_dashboard=False,
                 configure_logging=True,
                 logging_level="warning",
             )
             self._owns_ray = True
+            gcs = ray.get_runtime_context().gcs_address
+            if embedded and not rayenv.requires_token(gcs):  # checked, not assumed from the settings
+                try:
+                    self._insecure(f"the embedded Ray at {gcs} takes calls without a token")
+                except ConfigError:
+                    self.stop()
+                    raise
         context = ray.get_runtime_context()
         where = "an embedded Ray instance" if self._owns_ray and self.ray_address is None else "the Ray cluster"
         self._say(f"ray: {where} at {context.gcs_address} ({ray.cluster_resources().get('CPU', 0):g} CPUs)")
@@ -105,6 +131,23 @@ class Service:
                 raise
             raise cause from None
         return self
+
+    def _check_cluster(self, address: str) -> None:
+        """Before joining the cluster whose GCS is at `address`: it must refuse a call without its token, and this
+        process must then hold that token (RAY_AUTH_MODE=token), or Ray's own refusal would take it many seconds."""
+        if not rayenv.requires_token(address):
+            self._insecure(f"the Ray cluster at {address} takes calls without a token")
+        elif rayenv.auth_mode() != "token":
+            raise ConfigError(
+                f"ray: the Ray cluster at {address} requires its token: set {rayenv.AUTH_MODE}=token and the token "
+                "(RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; docs/deploy.md)"
+            )
+
+    def _insecure(self, what: str) -> None:
+        """Refuse a Ray control plane open to anyone who reaches its ports, or say it is allowed."""
+        if not self.allow_insecure_ray:
+            raise _refusal(what)
+        self._say(f"ray: warning: {what}: {INSECURE_RISK} (allowed by --allow-insecure-ray)")
 
     def _say(self, line: str) -> None:
         if self._on_progress is not None:
@@ -144,6 +187,7 @@ def serve(
     on_ready: Callable[[str], None],
     trace: str | None = None,
     on_progress: Callable[[str], None] | None = None,
+    allow_insecure_ray: bool = False,
 ) -> None:
     """Run a service until SIGINT or SIGTERM; `on_ready` gets the front door's address once every pool is ready,
     `on_progress` every progress line (bring-up, then workers lost, replaced or added by scaling)."""
@@ -154,7 +198,7 @@ def serve(
             signal.signal(sig, lambda *_: stopping.set())
 
     stop_on_signals()
-    with Service(config, address, port, trace, on_progress) as service:
+    with Service(config, address, port, trace, on_progress, allow_insecure_ray) as service:
         stop_on_signals()  # ray.init replaced the SIGTERM handler with one that exits mid-call
         on_ready(service.address)
         lost: list[BaseException] = []

@@ -23,7 +23,7 @@ from .manifest import Manifest
 from .pairing import plan_drafter, target_num_layers
 from .plain import PLAIN_POLICY, NoDraft
 from .proposer import DraftModel, DraftSession
-from .request import RequestState, StopRules, eos_token_ids, make_sampling, tokenize_prompt
+from .request import RequestState, StopRules, eos_token_ids, make_sampling, prompt_within, tokenize_prompt
 from .rounds import RoundRecord, round_steps, start_steps
 from .runtime.batch import Lockstep, Operation, results
 from .runtime.device import resolve_device, resolve_draft_dtype, resolve_dtype, stored_dtype
@@ -58,9 +58,9 @@ def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
         return tree
     policy = TreePolicy.from_dict(tree)
     if policy.budget + 1 > TREE_HEADROOM:
-        raise TreeError("budget", f"{policy.budget} candidate rows exceed the {TREE_HEADROOM - 1} a KV slot keeps for a tree")
+        raise TreeError("tree.budget", f"{policy.budget} candidate rows exceed the {TREE_HEADROOM - 1} a KV slot keeps for a tree")
     if policy.width * max(policy.depth - 1, 0) > TREE_HEADROOM:
-        raise TreeError("depth", f"width x (depth - 1) = {policy.width * (policy.depth - 1)} drafter rows exceed {TREE_HEADROOM}")
+        raise TreeError("tree.depth", f"width x (depth - 1) = {policy.width * (policy.depth - 1)} drafter rows exceed {TREE_HEADROOM}")
     return policy
 
 
@@ -198,14 +198,9 @@ class Engine:
         sampling = make_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         rules = StopRules(max_new_tokens, self.eos_token_ids() if stop_at_eos else frozenset(), tuple(stop))
         decode = self.target.tokenizer.decode if self.target.tokenizer is not None else None
-        prompt_ids = self.tokenize(prompt)
         capacity = self.target.max_seq_len
-        if len(prompt_ids) + max_new_tokens > capacity:
-            raise RequestError(
-                "max_new_tokens",
-                f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds the KV capacity of "
-                f"{capacity} positions per request",
-            )
+        where = f"the KV capacity of {capacity} positions per request"
+        prompt_ids = prompt_within(prompt, self.target.tokenizer, self.target.vocab_size, max_new_tokens, capacity, where)
         return RequestState(request_id or f"req-{next(self._ids)}", prompt_ids, sampling, rules, decode=decode)
 
     def generate(

@@ -1,6 +1,14 @@
-"""Errors shared by the engine's state owners; the service maps them onto gRPC status codes."""
+"""Errors shared by the engine's state owners; the service maps them onto gRPC status codes.
+
+A field is named by its full path as the message or call spells it (`tree.width`, `stop[3]`,
+`sampling.temperature`); `renamed` moves an error raised for a part onto the path of the whole.
+"""
 
 from __future__ import annotations
+
+from typing import TypeVar
+
+E = TypeVar("E", bound=ValueError)
 
 
 class VersionError(RuntimeError):
@@ -28,3 +36,8 @@ class WireError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def renamed(exc: E, field: str) -> E:
+    """The same error (class and message) naming `field`: a part's error as the message holding the part spells it."""
+    return type(exc)(field, str(exc).removeprefix(f"{exc.field}: "))

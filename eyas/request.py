@@ -24,18 +24,20 @@ class StopRules:
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise RequestError("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise RequestError("stop", "stop strings must be non-empty strings")
+        for i, s in enumerate(self.stop_strings):
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop[{i}]", f"a stop string must be a non-empty string, got {s!r}")
 
 
-def make_sampling(**options) -> SamplingParams:
-    """SamplingParams from keyword options, with bad values reported as a RequestError naming the option."""
+def make_sampling(within: str = "", **options) -> SamplingParams:
+    """SamplingParams from keyword options, with a bad value reported as a RequestError naming the option after
+    `within` (`sampling.` where the options travel in a message's `sampling` field)."""
     try:
         return SamplingParams(**options)
     except TypeError as exc:
-        raise RequestError("sampling", f"unknown sampling option ({exc})") from None
+        raise RequestError(within.rstrip(".") or "sampling", f"unknown sampling option ({exc})") from None
     except SamplingError as exc:
-        raise RequestError(str(exc).split(" ")[0], str(exc)) from None
+        raise RequestError(within + str(exc).split(" ")[0], str(exc)) from None
 
 
 @dataclass
@@ -101,12 +103,50 @@ def tokenize_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int) -> 
 
     Shared by the engine and the service's coordinator, which holds the tokenizer but no model.
     """
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(t) for t in prompt]
+    return _checked_ids(_prompt_ids(prompt, tokenizer, None), vocab_size)
+
+
+def prompt_within(
+    prompt: str | Sequence[int], tokenizer, vocab_size: int, max_new_tokens: int, capacity: int, where: str
+) -> list[int]:
+    """`tokenize_prompt` for a request of `max_new_tokens` within `capacity` positions (`where` names them): a
+    prompt leaving no room for one new token is refused naming `prompt` (a text stops tokenizing once that is
+    known), one leaving room for fewer than `max_new_tokens` naming `max_new_tokens`."""
+    ids = _prompt_ids(prompt, tokenizer, capacity - 1)
+    if ids is None or len(ids) >= capacity:
+        count = f"more than {capacity - 1}" if ids is None else len(ids)
+        raise RequestError("prompt", f"{count} tokens leave no room for a new token within {where}")
+    ids = _checked_ids(ids, vocab_size)
+    if len(ids) + max_new_tokens > capacity:
+        raise RequestError(
+            "max_new_tokens",
+            f"{max_new_tokens} new tokens after a prompt of {len(ids)} tokens exceed {where}: at most {capacity - len(ids)} fit",
+        )
+    return ids
+
+
+CUT_SLACK = 16  # tokens a cut through a text may add next to it, beyond the whole text's tokens over the same span
+
+
+def _prompt_ids(prompt: str | Sequence[int], tokenizer, limit: int | None) -> list[int] | None:
+    """A prompt's token ids; None for a text found to hold more than `limit` tokens before all of it was tokenized."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
+    if limit is None:
+        return tokenizer.encode(prompt, verbose=False)
+    cut = 4 * limit  # characters: most texts hold fewer tokens than this, and are tokenized once, whole
+    while True:
+        ids = tokenizer.encode(prompt[:cut], verbose=False)
+        if cut >= len(prompt):
+            return ids
+        if len(ids) > limit + CUT_SLACK:
+            return None
+        cut *= 2
+
+
+def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
     if not ids:
         raise RequestError("prompt", "the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -1,4 +1,4 @@
-"""The call metadata every eyas server and client agree on: the shared-token key and the field trailer.
+"""What every eyas server and client agree on: the shared-token key, the field trailer, the message-size floor.
 
 A client attaches the shared token as `x-eyas-token` metadata; a refused call names the field it
 concerns in an `eyas-field` trailer. Plain data, so a client needs neither the servers nor Ray.
@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 TOKEN_KEY = "x-eyas-token"
 FIELD_KEY = "eyas-field"
+MIN_REQUEST_BYTES = 1024  # the smallest service.max_request_bytes: a client checks larger messages against the service's own
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

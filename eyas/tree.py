@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import renamed
 from .treerows import TreeError, TreeRows, ancestry, check_tree, children, leaf_paths, path_to
 
 TREE_ABI_VERSION = 1
@@ -29,7 +30,7 @@ class TreePolicy:
     `budget` counts candidate nodes; the root (last committed token) is verified on top of it. `stop` (0 <= stop < 1)
     ends a round's drafting early: a node is expanded only while its path value (the product of the drafter's
     probabilities from the root) is at least `stop`, and a round whose frontier has no such node drafts no further
-    (docs/tree.md#stopping). 0 drafts every level up to `depth`.
+    (docs/tree.md#stopping). 0 drafts every level up to `depth`. Errors name a knob as `tree.<knob>`.
     """
 
     width: int = 8
@@ -39,13 +40,19 @@ class TreePolicy:
 
     def __post_init__(self) -> None:
         if type(self.width) is not int or self.width < 1:
-            raise TreeError("width", f"expansion width must be a positive integer, got {self.width!r}")
+            raise TreeError("tree.width", f"expansion width must be a positive integer, got {self.width!r}")
         for name in ("depth", "budget"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
-                raise TreeError(name, f"must be a nonnegative integer, got {value!r}")
+                raise TreeError(f"tree.{name}", f"must be a nonnegative integer, got {value!r}")
         if type(self.stop) not in (int, float) or not 0.0 <= self.stop < 1.0:  # NaN fails the comparison too
-            raise TreeError("stop", f"must be a number in [0, 1), got {self.stop!r}")
+            raise TreeError("tree.stop", f"must be a number in [0, 1), got {self.stop!r}")
+
+    @classmethod
+    def from_official(cls, depth: int, top_k: int, total_token: int) -> "TreePolicy":
+        """The policy drafting the tree of the official EAGLE-2 code's knobs (docs/tree.md#the-official-knobs): its
+        `depth` counts the levels after the first, its `total_token` the root too."""
+        return cls(width=top_k, depth=depth + 1, budget=total_token - 1)
 
     @classmethod
     def from_dict(cls, spec: dict | "TreePolicy" | None) -> "TreePolicy":
@@ -56,10 +63,10 @@ class TreePolicy:
         if isinstance(spec, TreePolicy):
             return spec
         if "top_k" in spec:
-            raise TreeError("top_k", "the tree's expansion width is now called width (top_k is sampling top-k only)")
+            raise TreeError("tree.top_k", "the tree's expansion width is now called width (top_k is sampling top-k only)")
         unknown = set(spec) - {"width", "depth", "budget", "stop"}
         if unknown:
-            raise TreeError(sorted(unknown)[0], "unknown tree knob (expected width, depth, budget, stop)")
+            raise TreeError(f"tree.{sorted(unknown)[0]}", "unknown tree knob (expected width, depth, budget, stop)")
         return cls(**spec)
 
 
@@ -269,6 +276,10 @@ def validate_tree(
 ) -> None:
     """Receipt check of a flattened tree (`eyas.treerows.check_tree`); raises `TreeError` naming the first broken field.
 
-    Run once where a tree crosses a trust boundary before it is verified (a target worker, a trace replay).
+    Run once where a tree crosses a trust boundary before it is verified (a target worker, a trace replay); fields are
+    named as the message carrying the tree spells them (`tree.parents`).
     """
-    check_tree(tree.rows(), vocab_size=vocab_size, prefix_len=prefix_len, budget=budget, root_token=root_token)
+    try:
+        check_tree(tree.rows(), vocab_size=vocab_size, prefix_len=prefix_len, budget=budget, root_token=root_token)
+    except TreeError as exc:
+        raise renamed(exc, f"tree.{exc.field}") from None

@@ -10,8 +10,10 @@ package stays usable without the service.
 from __future__ import annotations
 
 import torch
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
-from .errors import WireError
+from .errors import WireError, renamed
 from .request import make_sampling
 from .rounds import Proposal, Verification
 from .treerows import AcceptanceDecision, TreeError, array_from_proto, check_decision, decision_from_proto
@@ -32,6 +34,27 @@ DTYPES = {
 }
 DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _, _) in DTYPES.items()}
 FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_known(msg: Message, path: str = "") -> None:
+    """Refuse a message carrying a field its schema does not define, at any depth (docs/wire.md#receipt-checks):
+    raises `WireError` naming the first one by its path and number (`tree.99`)."""
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        number = unknown[0].field_number
+        raise WireError(f"{path}{number}", f"field {number} is not defined in {msg.DESCRIPTOR.full_name}; unknown fields are refused")
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            if field.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    check_known(item, f"{path}{field.name}[{key!r}].")
+        elif field.is_repeated:
+            for i, item in enumerate(value):
+                check_known(item, f"{path}{field.name}[{i}].")
+        else:
+            check_known(value, f"{path}{field.name}.")
 
 
 def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
@@ -59,9 +82,12 @@ def policy_to_proto(policy: TreePolicy) -> pb.TreePolicy:
     return pb.TreePolicy(width=policy.width, depth=policy.depth, budget=policy.budget, stop=policy.stop)
 
 
-def policy_from_proto(msg: pb.TreePolicy) -> TreePolicy:
-    """A tree policy; out-of-range knobs raise `TreeError` naming the knob."""
-    return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget, stop=msg.stop)
+def policy_from_proto(msg: pb.TreePolicy, field: str = "tree") -> TreePolicy:
+    """A tree policy; an out-of-range knob raises `TreeError` naming it inside `field` (`tree.width`, `policy.width`)."""
+    try:
+        return TreePolicy(width=msg.width, depth=msg.depth, budget=msg.budget, stop=msg.stop)
+    except TreeError as exc:
+        raise renamed(exc, f"{field}.{exc.field.removeprefix('tree.')}") from None
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -69,8 +95,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Sampling options from the fields present; bad values raise `RequestError` naming the option."""
-    return make_sampling(**{f.name: value for f, value in msg.ListFields()})
+    """Sampling options from the fields present; bad values raise `RequestError` naming the option (`sampling.seed`)."""
+    return make_sampling("sampling.", **{f.name: value for f, value in msg.ListFields()})
 
 
 def tree_to_proto(tree: FlattenedTree, request: tpb.RequestRef) -> pb.FlattenedTree:

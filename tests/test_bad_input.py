@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from tests.helpers.tiny import make_drafter, make_target
+from tests.helpers.tiny import add_tokenizer, make_drafter, make_target
+from transformers import AutoTokenizer
 
 from eyas import Engine, TreeError
 from eyas.errors import RequestError, VersionError
 from eyas.proposer import DraftSession
-from eyas.request import RequestState, StopRules
+from eyas.request import RequestState, StopRules, prompt_within
 from eyas.rounds import start
 from eyas.sampling import SamplingParams
 from eyas.target import TargetSession
@@ -36,8 +37,10 @@ def engine(tmp_path_factory):
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"seed": -1}, "seed"),
-        ({"tree": {"width": 0}}, "width"),
-        ({"tree": {"top_k": 4}}, "top_k"),
+        ({"tree": {"width": 0}}, "tree.width"),
+        ({"tree": {"stop": 1.5}}, "tree.stop"),
+        ({"stop": ["x", ""]}, "stop[1]"),
+        ({"tree": {"top_k": 4}}, "tree.top_k"),
     ],
 )
 def test_nonsense_requests_are_refused_by_field(engine, kwargs, field):
@@ -45,6 +48,32 @@ def test_nonsense_requests_are_refused_by_field(engine, kwargs, field):
     with pytest.raises((RequestError, TreeError)) as err:
         engine.generate(**args)
     assert err.value.field == field
+
+
+class Counting:
+    """A tokenizer that counts the characters it was asked to encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.characters = tokenizer, 0
+
+    def encode(self, text, **options):
+        self.characters += len(text)
+        return self.tokenizer.encode(text, **options)
+
+
+def test_a_long_text_prompt_is_blamed_on_the_prompt_and_tokenized_only_as_far_as_the_limit(tmp_path, capfd):
+    add_tokenizer(tmp_path)
+    tokenizer = Counting(AutoTokenizer.from_pretrained(tmp_path))
+    text = "w5 w7 " * 20_000  # 40,000 tokens for 512 positions
+    with pytest.raises(RequestError) as err:
+        prompt_within(text, tokenizer, 96, 8, 512, "the target's 512 positions")
+    assert err.value.field == "prompt" and "more than 511 tokens leave no room" in str(err.value)
+    assert tokenizer.characters < len(text) // 10  # it stopped once a prefix held too many
+    assert "Token indices sequence length" not in capfd.readouterr().err
+    with pytest.raises(RequestError) as err:
+        prompt_within("w5 " * 500, tokenizer, 96, 20, 512, "the target's 512 positions")
+    assert err.value.field == "max_new_tokens" and "at most 12 fit" in str(err.value)
+    assert prompt_within("w5 " * 500, tokenizer, 96, 12, 512, "the target's 512 positions") == [5] * 500
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(engine):

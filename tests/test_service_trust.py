@@ -6,6 +6,7 @@ target worker killed under four concurrent requests fails none of them; every ov
 refused fast, naming its field, while another request runs unchanged. A second service binds ::1.
 """
 
+import json
 import os
 import signal
 import threading
@@ -14,11 +15,12 @@ import time
 import grpc
 import pytest
 import ray
-from tests.helpers.servicekit import TREE, build_models, engine_outputs, service_config, wait_until
+from tests.helpers.servicekit import TREE, build_models, engine_outputs, service_config, wait_until, with_unknown_field
 
 from eyas import Engine, wire
 from eyas.client.cli import format_status
 from eyas.client.client import Client, EyasError
+from eyas.client.jobs import run_job
 from eyas.cluster.service import Service
 from eyas.rpc import TOKEN_KEY, call_metadata, field_of
 from eyas.v1 import round_pb2 as pb
@@ -138,19 +140,24 @@ def test_oversized_inputs_are_refused_fast_naming_the_field_while_a_request_runs
     positions = 512  # the tiny target's max_position_embeddings
     gen = lambda prompt, **kw: client.generate(prompt, max_new_tokens=4, **kw)  # noqa: E731
     seconds = [
-        refused_fast(lambda: gen("w5 " * (16 * positions // 3 + 1)), "INVALID_ARGUMENT", "prompt.text"),
+        refused_fast(lambda: gen("w5 " * (16 * positions // 3 + 1)), "INVALID_ARGUMENT", "prompt"),
         refused_fast(lambda: gen([5] * (positions + 1)), "INVALID_ARGUMENT", "prompt"),
         refused_fast(lambda: gen([5, 6], stop=["w"] * 17), "INVALID_ARGUMENT", "stop"),
-        refused_fast(lambda: gen([5, 6], stop=["w" * 257]), "INVALID_ARGUMENT", "stop"),
+        refused_fast(lambda: gen([5, 6], stop=["w" * 257]), "INVALID_ARGUMENT", "stop[0]"),
         refused_fast(lambda: gen([5, 6], request_id="r" * 129), "INVALID_ARGUMENT", "request_id"),
         refused_fast(lambda: client.cancel("r" * 129), "INVALID_ARGUMENT", "ref.request_id"),
         refused_fast(lambda: client.scale(target=10_000), "INVALID_ARGUMENT", "target"),
     ]
     with pytest.raises(EyasError) as err:
-        gen("w5 " * (1 << 19))  # 1.5 MB: over service.max_request_bytes, refused before it is decoded
-    assert err.value.code == "RESOURCE_EXHAUSTED"
+        gen("w5 " * (1 << 19))  # 1.5 MB: over service.max_request_bytes, refused by the client before it is sent
+    assert (err.value.code, err.value.field) == ("INVALID_ARGUMENT", "prompt")
+    assert f"over the service's limit of {1 << 20} (service.max_request_bytes)" in err.value.details
     channel = grpc.insecure_channel(svc["service"].address)
     generate = channel.unary_stream("/eyas.v1.Eyas/Generate")
+    oversized = spb.GenerateRequest(text="w5 " * (1 << 19)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as raw:  # sent anyway, gRPC's transport refuses it before eyas decodes it
+        list(generate(oversized, timeout=10, metadata=call_metadata(TOKEN)))
+    assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(grpc.RpcError) as raw:
         list(generate(b"\xff\xff\xff", timeout=10, metadata=call_metadata(TOKEN)))
     assert (raw.value.code(), field_of(raw.value.trailing_metadata())) == (grpc.StatusCode.INVALID_ARGUMENT, "message")
@@ -159,6 +166,18 @@ def test_oversized_inputs_are_refused_fast_naming_the_field_while_a_request_runs
     threads[0].join(120)
     assert errors == [None] and outputs == svc["expected"][2:3]
     assert max(seconds) < 5.0, seconds  # generous: each refusal happens before any model work
+
+
+def test_an_oversized_job_line_is_reported_and_the_job_goes_on(svc, tmp_path):
+    lines = [{"id": "first", "prompt": PROMPTS[0], "max_new_tokens": 8}, {"id": "big", "prompt": "w5 " * (5 << 18)},
+             {"id": "last", "prompt": PROMPTS[1], "max_new_tokens": 8}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = run_job(svc["client"], source, out, progress=False)
+    assert report.written == 2 and [(e["line"], e["id"], e["code"], e["field"]) for e in report.errors] == [(2, "big", "INVALID_ARGUMENT", "prompt")]
+    assert "service.max_request_bytes" in report.errors[0]["message"]
+    written = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert written == {"first": svc["expected"][0][:8], "last": svc["expected"][1][:8]}
 
 
 def test_run_job_with_a_malformed_item_answers_it_and_ends(svc):
@@ -170,6 +189,24 @@ def test_run_job_with_a_malformed_item_answers_it_and_ends(svc):
     by_id = {r.id: r for r in results}
     assert len(results) == 2 and by_id["ok"].token_ids == svc["expected"][0][:8]
     assert (by_id[""].error.code, by_id[""].error.field) == ("INVALID_ARGUMENT", "item")
+
+
+def test_a_field_the_schema_does_not_define_is_refused_at_the_front_door_naming_it(svc):
+    tree = pb.TreePolicy.FromString(with_unknown_field(pb.TreePolicy(width=2, depth=2, budget=4), 99))
+    request = spb.GenerateRequest(token_ids=spb.TokenIds(ids=PROMPTS[0]), max_new_tokens=4, tree=tree)
+    channel = grpc.insecure_channel(svc["service"].address)
+    generate = channel.unary_stream("/eyas.v1.Eyas/Generate")
+    with pytest.raises(grpc.RpcError) as raw:
+        list(generate(request.SerializeToString(), timeout=30, metadata=call_metadata(TOKEN)))
+    assert (raw.value.code(), field_of(raw.value.trailing_metadata())) == (grpc.StatusCode.INVALID_ARGUMENT, "tree.99")
+    assert "field 99 is not defined in eyas.v1.TreePolicy" in raw.value.details()
+    good = spb.JobItem(id="good", request=spb.GenerateRequest(token_ids=spb.TokenIds(ids=PROMPTS[0]), max_new_tokens=8))
+    odd = spb.JobItem(id="odd", request=request)
+    run_job = channel.stream_stream("/eyas.v1.Eyas/RunJob", response_deserializer=spb.JobResult.FromString)
+    results = {r.id: r for r in run_job(iter([good.SerializeToString(), odd.SerializeToString()]), timeout=60, metadata=call_metadata(TOKEN))}
+    channel.close()
+    assert results["good"].token_ids == svc["expected"][0][:8]
+    assert (results["odd"].error.code, results["odd"].error.field) == ("INVALID_ARGUMENT", "request.tree.99")
 
 
 def test_cancelled_requests_are_counted_apart_from_completed(svc):
@@ -192,7 +229,13 @@ def test_a_service_with_tree_auto_chooses_its_trees_and_keeps_the_output(svc):
     try:
         with Client(service.address) as client:
             status = client.status()
-            assert status["tree_auto"] and not status["tree_chosen"]
+            assert status["tree_auto"] and not status["tree_chosen"] and status["tree_exploring"] == 18
+            short = client.generate(PROMPTS[0], max_new_tokens=4)  # ends within the first exploration
+            assert short.token_ids == svc["expected"][0][:4]
+            status = client.status()
+            assert 0 < status["tree_exploring"] < 18 and not status["tree_chosen"]
+            line = f"tree: auto (exploring, {status['tree_exploring']} round(s) to go before it chooses; width/depth/budget chosen so far: none yet)"
+            assert line in format_status(status).splitlines()
             outputs, errors = [None] * len(PROMPTS), []
             threads = [threading.Thread(target=lambda i=i: outputs.__setitem__(i, client.generate(PROMPTS[i], max_new_tokens=LENGTH)))
                        for i in range(len(PROMPTS))]

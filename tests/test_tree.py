@@ -13,24 +13,37 @@ from eyas.tree import DraftTree, TreeError, TreePolicy, ancestry_mask, flatten, 
 @pytest.mark.parametrize(
     "knobs, field",
     [
-        ({"width": 0}, "width"),
-        ({"width": 2.0}, "width"),
-        ({"top_k": 4}, "top_k"),
-        ({"depth": -1}, "depth"),
-        ({"budget": -3}, "budget"),
-        ({"budget": 1.5}, "budget"),
-        ({"breadth": 3}, "breadth"),
-        ({"stop": -0.1}, "stop"),
-        ({"stop": 1.0}, "stop"),
-        ({"stop": math.nan}, "stop"),
-        ({"stop": "0.1"}, "stop"),
-        ({"stop": True}, "stop"),
+        ({"width": 0}, "tree.width"),
+        ({"width": 2.0}, "tree.width"),
+        ({"top_k": 4}, "tree.top_k"),
+        ({"depth": -1}, "tree.depth"),
+        ({"budget": -3}, "tree.budget"),
+        ({"budget": 1.5}, "tree.budget"),
+        ({"breadth": 3}, "tree.breadth"),
+        ({"stop": -0.1}, "tree.stop"),
+        ({"stop": 1.0}, "tree.stop"),
+        ({"stop": math.nan}, "tree.stop"),
+        ({"stop": "0.1"}, "tree.stop"),
+        ({"stop": True}, "tree.stop"),
     ],
 )
 def test_bad_knobs_are_refused_by_name(knobs, field):
     with pytest.raises(TreeError) as err:
         TreePolicy.from_dict(knobs)
     assert err.value.field == field
+
+
+def test_the_official_knobs_map_to_one_more_level_and_one_fewer_candidate():
+    """The official code's depth=5, top_k=10, total_token=60 drafts 6 levels and verifies 60 rows, the root among them
+    (docs/tree.md#the-official-knobs): grown level by level as eyas grows it, the policy's tree has exactly that."""
+    policy = TreePolicy.from_official(depth=5, top_k=10, total_token=60)
+    assert policy == TreePolicy(width=10, depth=6, budget=59)
+    tree = DraftTree(root_token=0)
+    for _ in range(policy.depth):
+        expanded = tree.expandable(policy.width)
+        tree.add_children(expanded, [(n, t, 0.9 if t == 0 else 0.01) for n in expanded for t in range(policy.width)])
+    flat = flatten(tree, tree.select(policy.budget), prefix_len=0)
+    assert (flat.num_rows, int(flat.depths.max())) == (60, 6)
 
 
 def test_knobs_are_separate():
@@ -155,17 +168,17 @@ def _flat():
 @pytest.mark.parametrize(
     "corrupt, field",
     [
-        (lambda t: t.parents.__setitem__(2, 3), "parents"),  # parent after child
-        (lambda t: t.parents.__setitem__(1, 1), "parents"),  # self-cycle
-        (lambda t: t.parents.__setitem__(0, 2), "parents"),  # root with a parent
-        (lambda t: t.mask.__setitem__((2, 1), False), "mask"),
-        (lambda t: t.mask.__setitem__((1, 3), True), "mask"),
-        (lambda t: t.positions.__setitem__(2, 99), "positions"),
-        (lambda t: t.depths.__setitem__(2, 5), "depths"),
-        (lambda t: t.tokens.__setitem__(1, 1000), "tokens"),
-        (lambda t: t.tokens.__setitem__(3, -1), "tokens"),
-        (lambda t: t.draft_probs.__setitem__(1, math.nan), "draft_probs"),
-        (lambda t: t.retrieve.__setitem__((0, 1), 3), "retrieve"),
+        (lambda t: t.parents.__setitem__(2, 3), "tree.parents"),  # parent after child
+        (lambda t: t.parents.__setitem__(1, 1), "tree.parents"),  # self-cycle
+        (lambda t: t.parents.__setitem__(0, 2), "tree.parents"),  # root with a parent
+        (lambda t: t.mask.__setitem__((2, 1), False), "tree.mask"),
+        (lambda t: t.mask.__setitem__((1, 3), True), "tree.mask"),
+        (lambda t: t.positions.__setitem__(2, 99), "tree.positions"),
+        (lambda t: t.depths.__setitem__(2, 5), "tree.depths"),
+        (lambda t: t.tokens.__setitem__(1, 1000), "tree.tokens"),
+        (lambda t: t.tokens.__setitem__(3, -1), "tree.tokens"),
+        (lambda t: t.draft_probs.__setitem__(1, math.nan), "tree.draft_probs"),
+        (lambda t: t.retrieve.__setitem__((0, 1), 3), "tree.retrieve"),
     ],
 )
 def test_malformed_flattened_trees_are_refused_by_field(corrupt, field):
@@ -181,10 +194,10 @@ def test_over_budget_and_wrong_prefix_are_refused():
     flat = _flat()
     with pytest.raises(TreeError) as err:
         validate_tree(flat, vocab_size=100, prefix_len=10, budget=2)
-    assert err.value.field == "tokens"
+    assert err.value.field == "tree.tokens"
     with pytest.raises(TreeError) as err:
         validate_tree(flat, vocab_size=100, prefix_len=11)
-    assert err.value.field == "prefix_len"
+    assert err.value.field == "tree.prefix_len"
 
 
 def test_helpers_agree_on_a_chain():

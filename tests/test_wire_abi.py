@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.servicekit import TREE, build_models
+from tests.helpers.servicekit import TREE, build_models, with_unknown_field
 
 from eyas import Engine, wire
 from eyas.actors.config import ConfigError, ServiceConfig
@@ -19,6 +19,7 @@ from eyas.rounds import Verification, start
 from eyas.target import TargetSession
 from eyas.tree import TreePolicy
 from eyas.v1 import round_pb2 as pb
+from eyas.v1 import service_pb2 as spb
 from eyas.v1 import tensor_pb2 as tpb
 from eyas.verify import AcceptanceDecision
 
@@ -83,6 +84,23 @@ def test_tensor_decoding_refuses_a_bad_field_by_name(msg, field):
     with pytest.raises(wire.WireError) as err:
         wire.tensor_from_proto(msg, "x", tuple(wire.DTYPES), 1)
     assert err.value.field == field
+
+
+def test_a_field_the_schema_does_not_define_is_refused_by_path_and_number():
+    tree = pb.TreePolicy.FromString(with_unknown_field(pb.TreePolicy(width=2, depth=2, budget=4), 99))
+    request = spb.GenerateRequest(text="w5", tree=tree)
+    with pytest.raises(wire.WireError) as err:
+        wire.check_known(request)
+    assert err.value.field == "tree.99" and "eyas.v1.TreePolicy" in str(err.value)
+    with pytest.raises(wire.WireError) as err:
+        wire.check_known(spb.GenerateRequest.FromString(with_unknown_field(spb.GenerateRequest(text="w5"), 40)))
+    assert err.value.field == "40"
+    item = spb.JobItem(id="a", request=spb.GenerateRequest(token_ids=spb.TokenIds(ids=[5])))
+    item.request.token_ids.MergeFromString(with_unknown_field(spb.TokenIds(), 7))
+    with pytest.raises(wire.WireError) as err:
+        wire.check_known(item)
+    assert err.value.field == "request.token_ids.7"
+    wire.check_known(spb.GenerateRequest(text="w5", tree=pb.TreePolicy(width=2, depth=2, budget=4)))  # all known: passes
 
 
 @pytest.fixture(scope="module")

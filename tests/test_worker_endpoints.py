@@ -223,12 +223,12 @@ def malformed_trees(tree, prefix_len):
     wide = DraftTree(int(tokens[0]))
     wide.add_children([0], [(0, t, 0.01) for t in range(20)])
     return {
-        "cycle": (mutate(tree, parents=cycle), "parents"),
-        "parent after child": (mutate(tree, parents=late), "parents"),
-        "mask not the ancestry closure": (mutate(tree, mask=not_closure), "mask"),
-        "wrong positions": (mutate(tree, positions=shifted), "positions"),
-        "token out of vocabulary": (mutate(tree, tokens=out_of_vocab), "tokens"),
-        "over budget": (flatten(wide, wide.select(20), prefix_len), "tokens"),
+        "cycle": (mutate(tree, parents=cycle), "tree.parents"),
+        "parent after child": (mutate(tree, parents=late), "tree.parents"),
+        "mask not the ancestry closure": (mutate(tree, mask=not_closure), "tree.mask"),
+        "wrong positions": (mutate(tree, positions=shifted), "tree.positions"),
+        "token out of vocabulary": (mutate(tree, tokens=out_of_vocab), "tree.tokens"),
+        "over budget": (flatten(wide, wide.select(20), prefix_len), "tree.tokens"),
     }
 
 
@@ -386,7 +386,7 @@ def test_bad_payloads_are_refused_naming_the_field(workers):
     assert refused(draft, "Round", live.round_msg(policy=TreePolicy(4, 4, 100))) == (INVALID, "draft.policy.budget")
     floorless = live.round_msg()
     floorless.draft.policy.stop = 1.5
-    assert refused(draft, "Round", floorless) == (INVALID, "stop")
+    assert refused(draft, "Round", floorless) == (INVALID, "draft.policy.stop")
     no_policy = live.round_msg()
     no_policy.draft.ClearField("policy")
     assert refused(draft, "Round", no_policy) == (INVALID, "draft.policy")
@@ -394,7 +394,7 @@ def test_bad_payloads_are_refused_naming_the_field(workers):
     assert refused(draft, "Round", live.round_msg(target="")) == (INVALID, "target")
     hot = live.round_msg()
     hot.sampling.temperature = -1.0
-    assert refused(draft, "Round", hot) == (INVALID, "temperature")
+    assert refused(draft, "Round", hot) == (INVALID, "sampling.temperature")
     other_word = live.round_msg()
     other_word.publish.round_id = "another"
     assert refused(draft, "Round", other_word) == (PRECONDITION, "publish.round_id")

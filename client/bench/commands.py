@@ -1,4 +1,4 @@
-"""`eyas bench` and its subcommands: peers, tree, service, runtime, forward, trace; each writes one JSON record."""
+"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, forward, trace; each writes one JSON record."""
 
 from __future__ import annotations
 
@@ -73,6 +73,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return run_and_write("trace", args)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    """Many short requests through one embedded service; the coordinator's resident memory sampled as they finish."""
+    return run_and_write("soak", args)
+
+
 def cmd_runtime(args: argparse.Namespace) -> int:
     """The runtime against one plain Hugging Face step: verify by rows and phase, rounds against context, batches."""
     return run_and_write("runtime", args)
@@ -107,7 +112,7 @@ def pool_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `eyas bench peers|tree|service|runtime|forward|trace` on the top-level parser's subcommands."""
+    """Register `eyas bench peers|tree|service|soak|runtime|forward|trace` on the top-level parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -157,6 +162,19 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--pools", type=pool_sizes, help="instead of the comparison with the engine: throughput of --requests at once on services of each draft:target pool size (e.g. 1:1,1:2,2:1)")
     service.add_argument("--json", help="where the JSON record goes (default: stdout)")
     service.set_defaults(func=cmd_service)
+
+    soak = kinds.add_parser("soak", help="the coordinator's memory over many requests", description=cmd_soak.__doc__)
+    soak.add_argument("--config", help="service config (default: configs/local.yaml settings)")
+    soak.add_argument("--target", help="target directory (default: the config's, else the bundled demo target)")
+    soak.add_argument("--drafter", help="drafter directory (default: the config's, else the bundled demo drafter)")
+    soak.add_argument("--requests", type=int, default=5000, help="requests in all (default 5000)")
+    soak.add_argument("--concurrency", type=int, default=8, help="client threads sending them (default 8)")
+    soak.add_argument("--max-new-tokens", type=int, default=8)
+    soak.add_argument("--tree", default="auto", help='"auto" (default) or a fixed tree as width,depth,budget')
+    soak.add_argument("--warmup", type=int, default=1000, help="requests before the growth and slope are measured (default 1000)")
+    soak.add_argument("--every", type=int, default=250, help="sample the coordinator's RSS every this many finished requests")
+    soak.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    soak.set_defaults(func=cmd_soak)
 
     runtime = kinds.add_parser("runtime", help="the runtime against a plain HF step; batches", description=cmd_runtime.__doc__)
     runtime.add_argument("--target", help="target directory (default: the bundled demo target)")

@@ -70,12 +70,11 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 def detect_kind(config: dict, keys: set[str], path: str | Path = "") -> str:
     """EAGLE-3 checkpoints have a midlayer (or declare a draft vocabulary); EAGLE-1 ones have layers.0.
 
-    A full causal LM (a target: model.layers.* and lm_head.weight, no fc) is refused by name, not key by key.
+    A full causal LM (a target: model.layers.*, no fc; its LM head may be tied to the embedding) is refused by
+    name, not key by key.
     """
-    if "lm_head.weight" in keys and "fc.weight" not in keys and any(k.startswith("model.layers.") for k in keys):
-        raise CheckpointError(
-            path, ["this is a target model (a full causal LM: model.layers.* and lm_head.weight), not a drafter"]
-        )
+    if "fc.weight" not in keys and any(k.startswith("model.layers.") for k in keys):
+        raise CheckpointError(path, ["this is a target model (a full causal LM with model.layers.*), not a drafter"])
     if any(k.startswith("midlayer.") for k in keys) or "draft_vocab_size" in config:
         return "eagle3"
     return "eagle1"

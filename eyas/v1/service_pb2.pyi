@@ -207,7 +207,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics", "cancelled", "ray_address", "tree_auto", "tree_chosen", "emulation")
+    __slots__ = ("manifest_id", "pools", "active", "queued", "completed", "failed", "tokens", "rounds", "mean_accept_length", "rebuilds", "tree", "uptime_seconds", "service_seconds", "metrics_address", "metrics", "cancelled", "ray_address", "tree_auto", "tree_chosen", "emulation", "tree_exploring", "coordinator_rss_bytes")
     class ServiceSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,8 @@ class StatusReply(_message.Message):
     TREE_AUTO_FIELD_NUMBER: _ClassVar[int]
     TREE_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     EMULATION_FIELD_NUMBER: _ClassVar[int]
+    TREE_EXPLORING_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     active: int
@@ -269,7 +271,9 @@ class StatusReply(_message.Message):
     tree_auto: bool
     tree_chosen: _containers.MessageMap[str, _round_pb2.TreePolicy]
     emulation: str
-    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., cancelled: _Optional[int] = ..., ray_address: _Optional[str] = ..., tree_auto: _Optional[bool] = ..., tree_chosen: _Optional[_Mapping[str, _round_pb2.TreePolicy]] = ..., emulation: _Optional[str] = ...) -> None: ...
+    tree_exploring: int
+    coordinator_rss_bytes: int
+    def __init__(self, manifest_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., rebuilds: _Optional[int] = ..., tree: _Optional[_Union[_round_pb2.TreePolicy, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., service_seconds: _Optional[_Mapping[str, float]] = ..., metrics_address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., cancelled: _Optional[int] = ..., ray_address: _Optional[str] = ..., tree_auto: _Optional[bool] = ..., tree_chosen: _Optional[_Mapping[str, _round_pb2.TreePolicy]] = ..., emulation: _Optional[str] = ..., tree_exploring: _Optional[int] = ..., coordinator_rss_bytes: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("draft", "target")
@@ -284,9 +288,11 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("status", "manifest_id")
+    __slots__ = ("status", "manifest_id", "max_request_bytes")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     status: str
     manifest_id: str
-    def __init__(self, status: _Optional[str] = ..., manifest_id: _Optional[str] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, status: _Optional[str] = ..., manifest_id: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...

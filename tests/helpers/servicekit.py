@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import re
 import subprocess
@@ -23,6 +25,23 @@ from eyas.actors.config import ServiceConfig
 TREE = {"width": 4, "depth": 4, "budget": 12}
 EYAS = [sys.executable, "-m", "eyas.client.cli"]
 EOS = 2  # the tiny tokenizer's end-of-sequence token
+
+
+def cli_in_fresh_process(argv: list[str]) -> tuple[subprocess.CompletedProcess, int, list[str]]:
+    """Run `eyas argv` in a fresh interpreter: the process, the command's exit status, and which of torch,
+    transformers and ray it loaded."""
+    probe = (
+        "import json, sys\n"
+        "from eyas.client.cli import main\n"
+        "try:\n"
+        f"    status = main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    status = exc.code\n"
+        "print(json.dumps([status, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    status, loaded = json.loads(done.stdout.splitlines()[-1]) if done.stdout else (None, None)
+    return done, status, loaded
 
 
 def build_models(root: Path, kind: str = "eagle1") -> tuple[Path, Path]:
@@ -57,6 +76,14 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
 
 def engine_outputs(engine: Engine, prompts: list[list[int]], lengths: list[int], **options) -> list[list[int]]:
     return [engine.generate(p, max_new_tokens=n, **options).token_ids for p, n in zip(prompts, lengths)]
+
+
+def with_unknown_field(msg, number: int) -> bytes:
+    """`msg`'s bytes with a varint field `number` (value 1) appended, a field its schema does not define."""
+    tag, key = number << 3, b""
+    while tag > 0x7F:
+        key, tag = key + bytes([tag & 0x7F | 0x80]), tag >> 7
+    return msg.SerializeToString() + key + bytes([tag, 1])
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str, poll: float = 0.1) -> object:
@@ -106,14 +133,16 @@ class Served:
     log: Path
 
 
-def start_serve(root: Path, target: Path, drafter: Path, **sections) -> Served:
-    """Run `eyas serve` on the tiny models (2 Ray CPUs; `sections` add YAML sections) until it is ready."""
+def start_serve(root: Path, target: Path, drafter: Path, env: dict[str, str] | None = None, **sections) -> Served:
+    """Run `eyas serve` on the tiny models (2 Ray CPUs; `sections` add YAML sections, `env` environment variables)
+    until it is ready."""
     config = {"models": {"target": str(target), "drafter": str(drafter)}, "tree": TREE, "ray": {"num_cpus": 2}, **sections}
     (root / "service.yaml").write_text(yaml.safe_dump(config))
     log = root / "serve.log"
     with log.open("w") as stderr:
         proc = subprocess.Popen(
-            [*EYAS, "serve", "--config", str(root / "service.yaml"), "--port", "0"], stdout=subprocess.PIPE, stderr=stderr, text=True
+            [*EYAS, "serve", "--config", str(root / "service.yaml"), "--port", "0"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env={**os.environ, **(env or {})},
         )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] and lines.put(None), daemon=True).start()
