@@ -117,7 +117,8 @@ def round_parts(tmp_path_factory):
 def test_trees_proposals_and_verifications_round_trip(round_parts):
     engine, request, proposal, verification = round_parts
     ref = wire.ref("r1", 0, "m1")
-    back = wire.proposal_from_proto(pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref).SerializeToString()))
+    tree = pb.FlattenedTree.FromString(wire.proposed_tree_to_proto(proposal, ref).SerializeToString())
+    back = wire.proposal_from_proto(pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref).SerializeToString()), tree)
     for name in ("tokens", "parents", "depths", "positions", "mask", "retrieve", "draft_probs"):
         assert torch.equal(getattr(back.tree, name), getattr(proposal.tree, name)), name
     assert (back.tree.prefix_len, back.nodes_expanded, back.draft_kv_bytes) == (
@@ -151,7 +152,8 @@ def test_an_exploring_proposal_carries_its_records_and_a_verification_its_row_ac
     engine, request, proposal, verification = round_parts
     ref = wire.ref("r1", 0, "m1")
     assert not pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref).SerializeToString()).HasField("records")
-    back = wire.proposal_from_proto(pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref, with_records=True).SerializeToString()))
+    tree = wire.proposed_tree_to_proto(proposal, ref)
+    back = wire.proposal_from_proto(pb.Proposal.FromString(wire.proposal_to_proto(proposal, ref, with_records=True).SerializeToString()), tree)
     sent = proposal.draft_tree
     for name in ("tokens", "parents", "depths", "confidences", "log_values"):
         assert getattr(back.draft_tree, name) == getattr(sent, name), name
@@ -184,7 +186,7 @@ def test_records_and_row_acceptance_that_do_not_fit_are_refused_by_name(round_pa
         msg = pb.Proposal.FromString(good.SerializeToString())
         msg.records.CopyFrom(records)
         with pytest.raises(wire.WireError) as err:
-            wire.proposal_from_proto(msg)
+            wire.proposal_from_proto(msg, wire.proposed_tree_to_proto(proposal, ref))
         assert err.value.field == field
     short = Verification(verification.decision, verification.features, verification.experts, 0, verification.row_probs[:-1])
     with pytest.raises(wire.WireError) as err:
