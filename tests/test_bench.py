@@ -3,6 +3,8 @@
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -103,3 +105,29 @@ def test_the_service_bench_reads_past_a_process_that_ends_while_it_looks():
     """Finding the coordinator lists /proc, then reads each command line: a process gone in between is skipped."""
     assert command_line(str(os.getpid())) != b""
     assert command_line("4194304999") == b""  # above any pid Linux gives out
+
+
+def test_every_bench_subcommand_prints_its_help_without_loading_a_bench():
+    """`eyas bench KIND --help` for every KIND, in one fresh process: each exits 0 with its usage, and no bench is
+    imported on the way (torch, transformers and Ray stay unloaded)."""
+    probe = (
+        "import argparse, contextlib, io, json, sys\n"
+        "from eyas.client.cli import build_parser, main\n"
+        "def kinds(parser):\n"
+        "    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices\n"
+        "names = sorted(kinds(kinds(build_parser())['bench']))\n"
+        "for name in names:\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try:\n"
+        "            main(['bench', name, '--help'])\n"
+        "        except SystemExit as exc:\n"
+        "            assert exc.code == 0, (name, exc.code)\n"
+        "    assert out.getvalue().startswith(f'usage: eyas bench {name}'), (name, out.getvalue())\n"
+        "print(json.dumps([names, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    names, loaded = json.loads(done.stdout.splitlines()[-1])
+    assert {"peers", "tree", "service", "runtime", "forward", "trace", "groups", "failover", "profile"} <= set(names)
+    assert loaded == []

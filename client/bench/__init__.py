@@ -1,4 +1,5 @@
-"""Benchmarks, one package: `eyas bench peers | tree | service | trace`, on the shared harness.
+"""Benchmarks, one package: `eyas bench peers | tree | service | runtime | forward | trace | groups | failover | profile`,
+on the shared harness.
 
 Speed claims are ratios measured side by side in one run on one machine; every benchmark writes
 one JSON record (and `peers` optional PNG charts).

@@ -1,4 +1,9 @@
+<<<<<<< HEAD
 """`eyas bench` and its subcommands: peers, tree, service, soak, runtime, forward, trace; each writes one JSON record."""
+=======
+"""`eyas bench` and its subcommands: peers, tree, service, runtime, forward, trace, groups, failover, profile; each
+writes one JSON record."""
+>>>>>>> report
 
 from __future__ import annotations
 
@@ -89,6 +94,24 @@ def cmd_forward(args: argparse.Namespace) -> int:
     return run_and_write("forward", args)
 
 
+def cmd_groups(args: argparse.Namespace) -> int:
+    """A 2-rank target group against 1 rank on the demo target (CPU, gloo): bytes per rank, a verify forward and its
+    collectives, and 4 concurrent requests through a service with tensor_parallel 1 and 2."""
+    return run_and_write("groups", args)
+
+
+def cmd_failover(args: argparse.Namespace) -> int:
+    """A local service's failover and refusal costs: next tokens after a target worker is killed under four
+    streams (two target workers, then one), and the front door's Health latency while prompts are refused."""
+    return run_and_write("failover", args)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Where a round's time goes: the demo models' rounds by phase, then torch's profiler tables on stderr; with
+    --batch, generate_batch of 8 timed a few times, to run under a sampling profiler."""
+    return run_and_write("profile", args)
+
+
 def row_counts(text: str) -> tuple[int, ...]:
     """`1,64` -> (1, 64); each a positive integer."""
     try:
@@ -112,7 +135,12 @@ def pool_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
+<<<<<<< HEAD
     """Register `eyas bench peers|tree|service|soak|runtime|forward|trace` on the top-level parser's subcommands."""
+=======
+    """Register `eyas bench peers|tree|service|runtime|forward|trace|groups|failover|profile` on the top-level parser's
+    subcommands."""
+>>>>>>> report
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -214,3 +242,22 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     trace.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
     trace.add_argument("--json", help="where the JSON record goes (default: stdout)")
     trace.set_defaults(func=cmd_trace)
+
+    groups = kinds.add_parser("groups", help="a 2-rank target group against 1 rank (CPU, gloo)", description=cmd_groups.__doc__)
+    groups.add_argument("--tokens", type=int, default=48, help="new tokens per request through the service (default 48)")
+    groups.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    groups.set_defaults(func=cmd_groups)
+
+    failover = kinds.add_parser("failover", help="failover and refusal costs of a local service", description=cmd_failover.__doc__)
+    failover.add_argument("--repeats", type=int, default=3, help="kills per target pool size (default 3)")
+    failover.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    failover.set_defaults(func=cmd_failover)
+
+    prof = kinds.add_parser("profile", help="a round's phases and torch's profiler; or a batch for py-spy", description=cmd_profile.__doc__)
+    prof.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    prof.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    prof.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the forwards of rounds (auto: on CUDA)")
+    prof.add_argument("--batch", action="store_true", help="time generate_batch of 8 (tree auto) instead of profiling rounds (a 4/5/64 tree)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed batches with --batch (default 5)")
+    prof.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    prof.set_defaults(func=cmd_profile)
