@@ -30,7 +30,7 @@ from eyas.runtime.device import resolve_draft_dtype, resolve_dtype, stored_dtype
 from eyas.proposer import DraftModel, DraftSession
 from eyas.runtime.batch import Operation
 from eyas.steps import Steps
-from eyas.rpc import call_metadata
+from eyas.rpc import call_metadata, field_of
 from eyas.tree import FlattenedTree, TreeError
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
@@ -41,6 +41,11 @@ from .server import CHANNEL_OPTIONS, Clock
 from .worker import Served, Worker
 
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def target_field(field: str) -> str:
+    """The field a refusal by the target behind this worker names, as this worker's own refusal names it."""
+    return f"target.{field}" if field else "target"
 
 
 @dataclass
@@ -75,7 +80,7 @@ class DraftWorker(Worker):
     def __init__(self, spec):
         super().__init__(spec)
         self.relayed: dict[str, Relayed] = {}  # request id -> the last verification relayed for it
-        self._targets: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}  # target address -> its Batch method
+        self._targets: dict[str, grpc.aio.Channel] = {}  # target address -> a channel to it
         self._credential = call_metadata(spec.token)
 
     def forget(self, request_id: str) -> None:
@@ -215,6 +220,34 @@ class DraftWorker(Worker):
         commit = pb.Commit(ref=word.ref, accepted_rows=word.accepted_rows, round_id=word.round_id)
         return (word.ref.version, relayed.features, list(word.tokens)), commit
 
+    async def gather(self, method: str, calls: list[tuple[pb.DraftStart, Served]]) -> None:
+        """A Start naming the request's target has it prefill the committed tokens; the features seed the drafter."""
+        if method == "Start":
+            await asyncio.gather(*(self._prefill_at(msg, call) for msg, call in calls if msg.target))
+
+    async def _prefill_at(self, msg: pb.DraftStart, call: Served) -> None:
+        if len(msg.target) > MAX_ID_BYTES:
+            call.fail(wire.WireError("target", f"must name the request's target worker in 1 to {MAX_ID_BYTES} bytes"))
+            return
+        if msg.HasField("features") or len(msg.prefill) != len(msg.tokens) or list(msg.prefill[1:]) != list(msg.tokens[:-1]):
+            call.fail(wire.WireError("prefill", "with a target, a Start carries no features and prefills the tokens before each of `tokens`"))
+            return
+        try:
+            raw = await self._target(msg.target, "Prefill")(
+                pb.Prefill(ref=msg.ref, tokens=msg.prefill).SerializeToString(), timeout=self.spec.rpc_timeout_s, metadata=self._credential
+            )
+            reply = pb.PrefillReply.FromString(raw)
+            if reply.ref != msg.ref:
+                raise wire.WireError("ref", "the target's prefill names another request or version")
+        except grpc.RpcError as exc:
+            call.fail(ServiceError(exc.code(), target_field(field_of(exc.trailing_metadata())), f"the target worker at {msg.target}: {exc.details()}"))
+            return
+        except (DecodeError, wire.WireError) as exc:
+            call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target", f"the target worker at {msg.target} answered no prefill: {exc}"))
+            return
+        call.clock.skip()  # the wait on the target
+        msg.features.CopyFrom(reply.features)
+
     async def relay(self, method: str, served: list[Served]) -> None:
         """Send each drafted tree on to its target worker (one Batch per target) and answer each Round with the
         verification, after checking it against the tree as a receipt."""
@@ -229,7 +262,7 @@ class DraftWorker(Worker):
     async def _verify_at(self, address: str, calls: list[Served]) -> None:
         batch = pb.CallBatch(method="Verify", calls=[call.reply.verify_request for call in calls]).SerializeToString()
         try:
-            raw = await self._target(address)(batch, timeout=self.spec.rpc_timeout_s, metadata=self._credential)
+            raw = await self._target(address, "Batch")(batch, timeout=self.spec.rpc_timeout_s, metadata=self._credential)
             results = pb.CallBatchReply.FromString(raw).results
             if len(results) != len(calls):
                 raise wire.WireError("results", f"{len(results)} results for {len(calls)} calls")
@@ -244,8 +277,7 @@ class DraftWorker(Worker):
         for call, result in zip(calls, results):
             call.clock.skip()  # the wait on the target: its own phases come back in the reply
             if result.code:
-                field = f"target.{result.field}" if result.field else "target"
-                call.fail(ServiceError(STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN), field, result.details))
+                call.fail(ServiceError(STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN), target_field(result.field), result.details))
                 continue
             drafted: Drafted = call.reply
             try:
@@ -271,12 +303,11 @@ class DraftWorker(Worker):
         tokens = (*decision.accepted_tokens, decision.frontier_token)
         return Relayed(msg.round_id, drafted.ref.version, tuple(decision.accepted_rows), tokens, verification.features)
 
-    def _target(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
-        """The Batch method of the target worker at `address`, over a channel kept for it."""
+    def _target(self, address: str, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
+        """`method` of the target worker at `address`, over a channel kept for it."""
         if address not in self._targets:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._targets[address] = channel.unary_unary(f"/{pb.DESCRIPTOR.services_by_name['TargetWorker'].full_name}/Batch")
-        return self._targets[address]
+            self._targets[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._targets[address].unary_unary(f"/{pb.DESCRIPTOR.services_by_name['TargetWorker'].full_name}/{method}")
 
     def reseed(self, msg: pb.Reseed, clock: Clock) -> pb.Ack:
         """The draft side of a publish, sent on its own."""

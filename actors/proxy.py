@@ -190,15 +190,16 @@ class WorkerClient:
         reply_type: type[Message],
         parse: Callable,
         timing: CallTiming,
+        behind: "WorkerClient | None" = None,
     ):
-        """Build, serialize, send and parse one call, charging each part to `timing`."""
+        """Build, serialize, send and parse one call, charging each part to `timing`; `behind` as in `RemoteCall`."""
         t0 = time.perf_counter()
         data = build().SerializeToString()
         t1 = time.perf_counter()
         try:
             raw, call = self._invoke(method, data, with_call=True)
         except grpc.RpcError as error:
-            raise self._translate(error) from None
+            raise self._translate(error, behind) from None
         t2 = time.perf_counter()
         value = parse(reply_type.FromString(raw))
         timing.charge(parse_timing(call), (t1 - t0) + (time.perf_counter() - t2), t2 - t1)
@@ -269,8 +270,7 @@ class WorkerClient:
                 server = check_phases(result.seconds, "results.seconds")
                 if result.code:
                     code = STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-                    behind = call.behind if result.field.split(".")[0] == "target" else None
-                    raise refusal(behind or self, code, result.field, result.details)
+                    raise refusal(self.blamed(result.field, call.behind), code, result.field, result.details)
                 forwards = check_forwards(result.forwards, "results.forwards")
                 outcomes.append(call.parse(decode(call.reply_type, result.reply, "results.reply")))
                 call.forwards = forwards
@@ -291,8 +291,13 @@ class WorkerClient:
             self._methods[method] = self._channel.unary_unary(f"/{self.service}/{method}")
         return self._methods[method]
 
-    def _translate(self, error: grpc.RpcError) -> Exception:
-        return refusal(self, error.code(), field_of(error.trailing_metadata()), error.details())
+    def _translate(self, error: grpc.RpcError, behind: "WorkerClient | None" = None) -> Exception:
+        field = field_of(error.trailing_metadata())
+        return refusal(self.blamed(field, behind), error.code(), field, error.details())
+
+    def blamed(self, field: str, behind: "WorkerClient | None") -> "WorkerClient":
+        """The worker a refusal naming `field` comes from: the one `behind` this one when the field is the target's."""
+        return behind if behind is not None and field.split(".")[0] == "target" else self
 
     def health(self, timeout: float = 5.0) -> pb.WorkerHealth:
         """The worker's counts; raises grpc.RpcError when it does not answer, WorkerLost after `close`."""
@@ -353,7 +358,8 @@ class RemoteRequest:
         self.request_id, self.manifest_id = request_id, manifest_id
         self.timing = timing
         self.vocab_size, self.feature_width = vocab_size, feature_width
-        self.sampling = wire.sampling_to_proto(sampling)
+        self.params, self.sampling = sampling, wire.sampling_to_proto(sampling)
+        self._prefilled: list[int] = []  # the tokens the target prefills at the start
         self._accepted_rows: tuple[int, ...] = ()  # the target's side of the publish, until the draft's completes it
         self._publish: pb.Publish | None = None  # the word the next Round carries
         self._verified: tuple[FlattenedTree, Verification] | None = None  # the last round's, for `verify_steps`
@@ -371,26 +377,23 @@ class RemoteRequest:
             raise wire.WireError(field, f"the reply names {reply_ref.request_id!r} at version {reply_ref.version}")
 
     # -- start ---------------------------------------------------------------------------------
-    def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]:
-        """`prefill` as an operation (the forward runs on the target worker)."""
-        return without_forwards(self.prefill, version, tokens)
+    def prefill_steps(self, version: int, tokens: list[int]) -> Steps[None]:
+        """The target's prefill, asked of the draft worker by `start_steps` (its features never come here)."""
+        return without_forwards(self._prefill, tokens)
 
-    def prefill(self, version: int, tokens: list[int]) -> torch.Tensor:
-        def parse(reply: pb.PrefillReply) -> torch.Tensor:
-            self.check_ref(reply.ref, version)
-            return wire.features_from_proto(reply.features, "features", len(tokens), self.feature_width)
+    def _prefill(self, tokens: list[int]) -> None:
+        self._prefilled = list(tokens)
 
-        return self.target.call("Prefill", lambda: pb.Prefill(ref=self.ref(version), tokens=tokens), pb.PrefillReply, parse, self.timing)
+    def start_steps(self, version: int, features: None, tokens: list[int]) -> Steps[None]:
+        """`start` as an operation of the request's start: one Start call, in which the draft worker has the target
+        prefill and seeds the drafter from the features."""
+        return without_forwards(self.start, version, tokens)
 
-    def start_steps(self, version: int, features: torch.Tensor, tokens: list[int]) -> Steps[None]:
-        """`start` as an operation of the request's start (the drafter's prefill runs on the draft worker)."""
-        return without_forwards(self.start, version, features, tokens)
-
-    def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
+    def start(self, version: int, tokens: list[int]) -> None:
         def build():
-            return pb.DraftStart(ref=self.ref(version), features=wire.tensor_to_proto(features), tokens=tokens)
+            return pb.DraftStart(ref=self.ref(version), tokens=tokens, target=self.target.address, prefill=self._prefilled)
 
-        self.draft.call("Start", build, pb.Ack, lambda reply: self.check_ref(reply.ref, version), self.timing)
+        self.draft.call("Start", build, pb.Ack, lambda reply: self.check_ref(reply.ref, version), self.timing, behind=self.target)
 
     # -- a round -------------------------------------------------------------------------------
     def propose(self, version: int, root_token: int, policy: TreePolicy) -> Proposal:
@@ -448,7 +451,7 @@ class RemoteRequest:
         return without_forwards(self.verified, tree, version, params)
 
     def verified(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Verification:
-        if self._verified is None or self._verified[0] is not tree or wire.sampling_to_proto(params) != self.sampling:
+        if self._verified is None or self._verified[0] is not tree or params != self.params:
             raise ValueError("verify: the round's call verified another tree, or with other sampling options")
         verification, self._verified = self._verified[1], None
         return verification

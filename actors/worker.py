@@ -179,6 +179,10 @@ class Worker:
         """A call for `request_id` has arrived: cut short the follow-up work its previous call left running (on the
         event loop, before the call waits for that work)."""
 
+    async def gather(self, method: str, calls: list[tuple[Message, Served]]) -> None:
+        """Fetch what decoded calls of `method` need from another worker before they run (on the event loop): a draft
+        worker's Start has the request's target prefill its prompt. A call that cannot have it fails (`Served.fail`)."""
+
     async def relay(self, method: str, served: list[Served]) -> None:
         """Finish the served calls of `method` that need another worker (on the event loop, before they are
         encoded): a draft worker's Rounds go on to their targets."""
@@ -266,7 +270,7 @@ class Worker:
     async def _serve(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
         """Serve calls of `method` (`_serve_calls`), finish those that need another worker (`relay`), and encode
         each reply."""
-        served = await self._serve_calls(request_type, fn, raws)
+        served = await self._serve_calls(method, request_type, fn, raws)
         await self.relay(method, served)
         for call in served:
             if call.error is None:
@@ -274,7 +278,7 @@ class Worker:
                 call.clock.lap("encode")
         return served
 
-    async def _serve_calls(self, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
+    async def _serve_calls(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
         """Decode each call and run it on the compute thread after the calls of its request that arrived before it (and
         the work they left running there).
 
@@ -300,6 +304,8 @@ class Worker:
             keys.add(key)
             served[i].clock.lap("decode")
             admitted.append((i, key, request))
+        await self.gather(method, [(request, served[i]) for i, _, request in admitted])
+        admitted = [(i, key, request) for i, key, request in admitted if served[i].error is None]
         turns = []  # per admitted call: the call it waits for, and its own end
         for _, key, _ in admitted:
             if key:

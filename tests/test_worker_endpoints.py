@@ -429,6 +429,27 @@ def test_a_round_whose_target_is_gone_fails_naming_the_target_and_changes_nothin
     assert live.finish() == expected_output(workers)
 
 
+def test_a_start_names_the_target_that_prefills_and_a_bad_one_leaves_no_session(workers):
+    """A Start naming the request's target has it prefill, and seeds the drafter from its features (which never reach
+    the coordinator); a Start whose prefill does not fit its tokens, or whose target nobody serves, is refused naming
+    `prefill` / `target` and opens no session on either worker."""
+    draft, target = workers["draft"], workers["target"]
+    ref = wire.ref("started", 0, workers["infos"][0].manifest_id)
+    tokens, prefill = PROMPT[1:], PROMPT[:-1]
+    assert refused(draft, "Start", pb.DraftStart(ref=ref, tokens=tokens, target=target.address, prefill=prefill[1:])) == (INVALID, "prefill")
+    gone = pb.DraftStart(ref=ref, tokens=tokens, target="127.0.0.1:9", prefill=prefill)
+    assert refused(draft, "Start", gone) == (grpc.StatusCode.UNAVAILABLE, "target")
+    assert (draft.health().sessions, target.health().sessions) == (0, 0)
+    request = workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id="started")
+    pair = remote_request(workers, "started", request=request)
+    start(request, pair, pair)
+    while not request.done:
+        run_round(request, pair, pair, workers["engine"].tree)
+    pair.release("draft")
+    pair.release("target")
+    assert request.output == expected_output(workers)
+
+
 def test_released_requests_leave_no_session_and_no_kv(workers):
     for client in (workers["draft"], workers["target"]):
         health = client.health()

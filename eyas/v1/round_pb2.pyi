@@ -64,14 +64,18 @@ class FlattenedTree(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., depths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., positions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., retrieve: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefix_len: _Optional[int] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ...) -> None: ...
 
 class DraftStart(_message.Message):
-    __slots__ = ("ref", "features", "tokens")
+    __slots__ = ("ref", "features", "tokens", "target", "prefill")
     REF_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     features: _tensor_pb2.Tensor
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    target: str
+    prefill: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., target: _Optional[str] = ..., prefill: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reseed(_message.Message):
     __slots__ = ("ref", "features", "tokens")
