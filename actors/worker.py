@@ -15,6 +15,7 @@ import asyncio
 import os
 import resource
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -318,15 +319,14 @@ class Worker:
             if self._tails.get(key) is done:
                 del self._tails[key]
 
-        def ended(key: str, done: asyncio.Future) -> Callable[[Future], None]:
-            def on_compute_thread(_) -> None:  # once the call's operation has ended
-                after = self.followup(key) if key else None
+        def finish(ended: asyncio.Future, followups: list[Future | None]) -> None:
+            """On the event loop, once every operation has ended: the calls' turns end (after their follow-up work)."""
+            ended.set_result(None)
+            for (_, key, _), (_, done), after in zip(admitted, turns, followups):
                 if after is None:
-                    loop.call_soon_threadsafe(settle, key, done)
+                    settle(key, done)
                 else:
-                    after.add_done_callback(lambda _: loop.call_soon_threadsafe(settle, key, done))
-
-            return on_compute_thread
+                    after.add_done_callback(lambda _, key=key, done=done: loop.call_soon_threadsafe(settle, key, done))
 
         try:
             await asyncio.gather(*(asyncio.shield(previous) for previous, _ in turns if previous is not None))
@@ -334,10 +334,24 @@ class Worker:
             for (_, key, _), (_, done) in zip(admitted, turns):
                 settle(key, done)
             raise
+        if not admitted:
+            return served
         submitted = self.scheduler.submit_many([self._steps(fn, request, served[i].clock) for i, _, request in admitted])
-        for (_, key, _), (_, done), future in zip(admitted, turns, submitted):
-            future.add_done_callback(ended(key, done))
-        ops = await asyncio.gather(*(asyncio.wrap_future(future) for future in submitted))
+        ended = loop.create_future()
+        left, counting = [len(submitted)], threading.Lock()
+
+        def on_end(_) -> None:  # on the compute thread (or here, for an operation that ended before this was added)
+            with counting:
+                left[0] -= 1
+                last = not left[0]
+            if last:  # one hand-off to the event loop for the whole batch
+                followups = [self.followup(key) if key else None for _, key, _ in admitted]
+                loop.call_soon_threadsafe(finish, ended, followups)
+
+        for future in submitted:
+            future.add_done_callback(on_end)
+        await ended
+        ops = [future.result() for future in submitted]
         for (i, _, _), op in zip(admitted, ops):
             call = served[i]
             call.clock.lap("queue")  # since its operation ended: its batch-mates' ends, then this loop taking it up
