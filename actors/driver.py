@@ -3,10 +3,10 @@
 Each request is served on its own thread (placement, rebuilds, streaming), and each hands its rounds to one
 `RoundDriver`. A round is the engine's own operation (`eyas.rounds.round_steps`); over remote sessions it yields
 its Round call (`actors.proxy.RemoteCall`) where a local session yields forwards. The driver runs on the
-coordinator's event loop: it sends the calls waiting for a worker as one Batch call (an asynchronous call, so no
-thread waits on the wire) as soon as that worker has none in flight, and resumes each round where its reply
-arrives. A Batch takes at most half of the requests the worker serves: the requests settle into two groups, one
-drafting while the other verifies, so both pools work at once (docs/wire.md, "Batched calls").
+coordinator's event loop: it sends the calls waiting for a draft worker as one Batch call (an asynchronous call, so
+no thread waits on the wire) as soon as that worker has fewer than two in flight, and resumes each round where its
+reply arrives. A Batch takes at most half of the requests the worker serves: the requests settle into two groups,
+one drafting while the other verifies, so both pools work at once (docs/wire.md, "Batched calls").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from eyas.steps import Steps
 from .proxy import RemoteCall, WorkerClient
 
 T = TypeVar("T")
-GROUPS = 2  # request groups in flight on a worker: one drafting while the other verifies
+GROUPS = 2  # request groups in flight on a draft worker: one drafting while the other's tree is verified
 
 
 class _Rounds:
@@ -40,7 +40,8 @@ class _Rounds:
 
 
 class RoundDriver:
-    """Drives the requests' rounds handed to it on `loop`; their calls travel as Batch calls, one in flight per worker.
+    """Drives the requests' rounds handed to it on `loop`; their calls travel as Batch calls, `GROUPS` in flight per
+    worker.
 
     `run` blocks the calling (request) thread until the operation it handed over has ended, and returns its result or
     raises its error. A refused call fails only its own request's round; a lost worker fails the rounds of every
@@ -52,7 +53,7 @@ class RoundDriver:
         self.loop = loop
         self.observe = observe
         self._waiting: dict[tuple[WorkerClient, str], list[tuple[_Rounds, RemoteCall]]] = {}
-        self._in_flight: set[tuple[WorkerClient, str]] = set()
+        self._in_flight: Counter[tuple[WorkerClient, str]] = Counter()  # Batch calls in flight to each worker
         self._members: Counter[WorkerClient] = Counter()  # rounds in the driver that call each worker
         self._closed = False
 
@@ -87,18 +88,19 @@ class RoundDriver:
             self._waiting.setdefault((forward.runner, forward.call.method), []).append((rounds, forward.call))
 
     def _send(self) -> None:
-        """Each worker with calls waiting and none in flight gets the earliest of them as one Batch call."""
+        """Each worker with calls waiting and fewer than `GROUPS` Batch calls in flight gets the earliest of them as
+        one Batch call."""
         for key in [key for key, queue in self._waiting.items() if not queue]:
             del self._waiting[key]  # a worker gone from its pool leaves no queue behind
         for key, queue in self._waiting.items():
-            if key in self._in_flight:
+            if self._in_flight[key] >= GROUPS:
                 continue
             share = max(1, -(-self._members[key[0]] // GROUPS))
             sent, queue[:] = queue[:share], queue[share:]
             now = time.perf_counter()
             for rounds, call in sent:
                 call.timing.queue += now - rounds.asked  # waiting here for the worker, behind the other group
-            self._in_flight.add(key)
+            self._in_flight[key] += 1
             self.observe(key[0].role, len(sent))
             self.loop.create_task(self._send_batch(key, sent))
 
@@ -111,7 +113,7 @@ class RoundDriver:
             outcomes = await key[0].run_each_async(calls)
         except Exception as exc:  # every call of the batch ends with it; each request fails or rebuilds as it would
             outcomes = [exc] * len(calls)
-        self._in_flight.discard(key)
+        self._in_flight[key] -= 1
         for (rounds, _), outcome in zip(sent, outcomes):
             if isinstance(outcome, BaseException):
                 self._resume(rounds, None, outcome)

@@ -1,9 +1,5 @@
-<<<<<<< HEAD
-"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, forward, trace; each writes one JSON record."""
-=======
-"""`eyas bench` and its subcommands: peers, tree, service, runtime, forward, trace, groups, failover, profile; each
-writes one JSON record."""
->>>>>>> report
+"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, forward, trace, groups, failover, profile;
+each writes one JSON record."""
 
 from __future__ import annotations
 
@@ -135,12 +131,8 @@ def pool_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-<<<<<<< HEAD
-    """Register `eyas bench peers|tree|service|soak|runtime|forward|trace` on the top-level parser's subcommands."""
-=======
-    """Register `eyas bench peers|tree|service|runtime|forward|trace|groups|failover|profile` on the top-level parser's
-    subcommands."""
->>>>>>> report
+    """Register `eyas bench peers|tree|service|soak|runtime|forward|trace|groups|failover|profile` on the top-level
+    parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
     kinds = bench.add_subparsers(dest="bench", required=True)
 
