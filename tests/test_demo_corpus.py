@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas.demo.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
+from eyas.train.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
 from eyas.demo.drafters import build_demo, latest_checkpoint
 import eyas.demo.lm as lm
 from eyas.demo.lm import CHECKPOINT_FILE, train_lm

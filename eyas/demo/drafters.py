@@ -22,7 +22,7 @@ from ..manifest import MANIFEST_FILE
 from ..train.recipe import Recipe
 from ..train.trainer import LOG_FILE, STATE_FILE, Trainer
 from .build import build_base_model
-from .corpus import collect
+from ..train.corpus import collect
 from .report import measure, write_report
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "train"

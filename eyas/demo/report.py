@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..engine import Engine
 from ..train.plots import plot_lm_curves
-from .corpus import heldout_prompts
+from ..train.corpus import heldout_prompts
 
 TREES = {
     "tree (width 8, depth 5, budget 32)": {"width": 8, "depth": 5, "budget": 32},

@@ -1,4 +1,4 @@
-"""The demo corpus: the Python standard library's own source, split into train and held-out modules by a fixed list."""
+"""The standard-library corpus (the demo models' and `stdlib:` training data): Python's own source, split into train and held-out modules by a fixed list."""
 
 from __future__ import annotations
 
