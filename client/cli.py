@@ -242,6 +242,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     recipe = Recipe.from_yaml(
         args.config, target=args.target, output=args.output, max_steps=args.max_steps, workers=args.workers
     )
+    if args.regenerate and not recipe.regenerate:
+        recipe.regenerate = True
     if recipe.workers > 1:
         from eyas.train.distributed import fit_distributed
 
@@ -475,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, help="override the recipe's number of optimizer steps")
     train.add_argument("--workers", type=int, help="data-parallel Ray Train workers (gloo on CPU)")
     train.add_argument("--resume", help="checkpoint directory to resume from (same recipe)")
+    train.add_argument("--regenerate", action="store_true", help="train on the target's own continuations of the "
+                       "windows (the recipe's regenerate settings, or the defaults), cached beside the output")
     train.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="the bundled demo models")

@@ -25,6 +25,7 @@ from .data import DataError, Packed, pack, read_documents
 from .features import feature_source
 from .objectives import Objective, feature_noise, rollout_loss, teacher_rows
 from .recipe import Recipe, RecipeError
+from .regenerate import regenerated
 from .rows import compile_rows, gather_rows
 from .vocab import draft_vocabulary
 
@@ -96,6 +97,10 @@ class Trainer:
         if self.target.tokenizer is None:
             raise DataError(f"{recipe.target}: the target has no tokenizer to encode training text with")
         self.train_data = self._load(recipe.data)
+        if recipe.regeneration():
+            self.train_data = regenerated(
+                recipe.target, self.target, self.train_data, recipe.regeneration(), recipe.regeneration_cache(), self.comm.rank == 0
+            )
         if self.train_data.supervised_tokens == 0:
             raise DataError("the training data has no supervised tokens after masking")
         self.eval_data = self._load(recipe.eval_data) if recipe.eval_data else None
