@@ -307,11 +307,12 @@ class Trainer:
         log = (self.output / LOG_FILE).open("a") if lead else None
         bar = tqdm(total=self.recipe.max_steps, initial=self.step, disable=not (progress and lead), unit="step")
         tokens_per_step = self.recipe.batch_size * self.recipe.seq_len
-        started, done_at_start = time.perf_counter(), self.step
+        started, started_cpu, done_at_start = time.perf_counter(), time.process_time(), self.step
         while self.step < self.recipe.max_steps:
             record = self.train_step()
             elapsed = time.perf_counter() - started
             record["tokens_per_s"] = (self.step - done_at_start) * tokens_per_step / max(elapsed, 1e-9)
+            record["cpu_s"] = time.process_time() - started_cpu  # this run's processor time: compute on a shared machine
             bar.update(1)
             if "loss" in record:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
