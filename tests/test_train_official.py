@@ -68,7 +68,7 @@ def per_step(world, kind: str, steps: int):
         loss, metrics = rollout_loss(drafter, plan, teacher, objective, denominator=lambda m: counts.append(float(m.sum())) or 1.0)
         loss.backward()
         grads = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
-        yield step, float(loss), round(metrics[f"top1/{step}"] * counts[step]), metrics, grads
+        yield step, float(loss.detach()), round(metrics[f"top1/{step}"] * counts[step]), metrics, grads
 
 
 def norm(grads: dict) -> float:

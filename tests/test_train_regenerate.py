@@ -1,11 +1,8 @@
 """Target-generated training data on a tiny target: prompts kept, continuations the target's own, cached by key."""
 
-import json
-import random
-
 import pytest
 import torch
-from tests.helpers.tiny import add_tokenizer, make_target
+from tests.helpers.tiny import add_tokenizer, make_target, write_word_text
 from transformers import AutoModelForCausalLM
 
 import eyas.train.regenerate as regenerate
@@ -20,10 +17,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("regenerate")
     target = make_target(root / "target")
     add_tokenizer(target)
-    rng = random.Random(1)
-    with open(root / "data.jsonl", "w") as f:
-        for _ in range(30):
-            f.write(json.dumps({"text": " ".join(f"w{rng.randint(5, 95)}" for _ in range(rng.randint(20, 60)))}) + "\n")
+    write_word_text(root / "data.jsonl", docs=30, lengths=(20, 60), seed=1)
     return root, target
 
 
