@@ -243,7 +243,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.config, target=args.target, output=args.output, max_steps=args.max_steps, workers=args.workers
     )
     if args.regenerate and not recipe.regenerate:
-        recipe.regenerate = True
+        recipe = Recipe.from_dict({**recipe.to_dict(), "regenerate": True})
     if recipe.workers > 1:
         from eyas.train.distributed import fit_distributed
 

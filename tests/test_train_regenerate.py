@@ -1,11 +1,15 @@
 """Target-generated training data on a tiny target: prompts kept, continuations the target's own, cached by key."""
 
+import json
+
 import pytest
 import torch
+import yaml
 from tests.helpers.tiny import add_tokenizer, make_target, write_word_text
 from transformers import AutoModelForCausalLM
 
 import eyas.train.regenerate as regenerate
+from eyas.client.cli import main
 from eyas.train.recipe import Recipe, RecipeError
 from eyas.train.trainer import Trainer
 
@@ -80,3 +84,17 @@ def test_bad_regeneration_settings_are_named_before_anything_runs(world, tmp_pat
     with pytest.raises(RecipeError, match=message):
         Trainer(recipe(world, regenerate=settings, regenerate_cache=str(tmp_path / "cache")))
     assert not (tmp_path / "cache").exists()
+
+
+def test_eyas_train_regenerate_trains_on_regenerated_windows(world, tmp_path, capsys):
+    root, target = world
+    config = tmp_path / "recipe.yaml"
+    base = dict(recipe="eagle1", target=str(target), data=[str(root / "data.jsonl")], output=str(tmp_path / "out"),
+                seq_len=40, batch_size=2, max_steps=1, eval_every=5, save_every=5)
+    config.write_text(yaml.safe_dump(base))
+    assert main(["train", "--config", str(config), "--regenerate"]) == 0
+    (entry,) = (tmp_path / "regenerated").iterdir()  # the default cache, beside the output
+    assert json.loads((entry / regenerate.META_FILE).read_text())["settings"]["prompt_tokens"] == 32
+    config.write_text(yaml.safe_dump({**base, "seq_len": 32}))
+    assert main(["train", "--config", str(config), "--regenerate"]) != 0
+    assert "regenerate.prompt_tokens (32) must be below seq_len (32)" in capsys.readouterr().err
