@@ -259,7 +259,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo_build(args: argparse.Namespace) -> int:
     """Rebuild the bundled demo models stage by stage (each checkpointed under --work-dir; a rerun resumes), then
     measure every drafter and write models/demo/REPORT.md. Default stages: target, draft-lm, eagle1, hass, eagle3
-    (about 2.5 hours on 2 cores); --only moe builds the MoE target and its EAGLE-3 drafter."""
+    (the target about 2 hours; the drafters' training windows are rewritten by the target once, shared, then each
+    drafter trains an hour of processor time); --only moe builds the MoE target and its EAGLE-3 drafter."""
     from eyas.demo.drafters import DEFAULT_STAGES, build_demo
 
     quiet_loading()
