@@ -25,10 +25,9 @@ class Regeneration:
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "batch", "windows"):
-            if name == "windows" and self.windows is None:
-                continue
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise RecipeError(f"regenerate.{name}: must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if (value is not None or name != "windows") and (not isinstance(value, int) or value < 1):
+                raise RecipeError(f"regenerate.{name}: must be a positive integer, got {value!r}")
         temps = self.temperatures
         if not isinstance(temps, list) or not temps or any(not isinstance(t, (int, float)) or t < 0 for t in temps):
             raise RecipeError(f"regenerate.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
@@ -62,7 +61,7 @@ class Recipe:
     save_every: int = 500
     log_every: int = 10
     workers: int = 1
-    regenerate: bool | dict = False  # train on the target's own continuations of the windows (true, or Regeneration keys)
+    regenerate: bool | dict = False  # train on the target's continuations of the windows (true, or Regeneration keys)
     regenerate_cache: str | None = None  # where regenerated windows are kept (null: regenerated/ beside output)
 
     def __post_init__(self) -> None:
@@ -78,9 +77,11 @@ class Recipe:
         if len(self.betas) != 2:
             raise RecipeError(f"betas: two values expected, got {self.betas!r}")
         if not isinstance(self.regenerate, (bool, dict)):
-            raise RecipeError(f"regenerate: true, false or a mapping of {[f.name for f in fields(Regeneration)]}, got {self.regenerate!r}")
-        if self.regeneration() and self.regeneration().prompt_tokens >= self.seq_len:
-            raise RecipeError(f"regenerate.prompt_tokens ({self.regeneration().prompt_tokens}) must be below seq_len ({self.seq_len})")
+            keys = [f.name for f in fields(Regeneration)]
+            raise RecipeError(f"regenerate: true, false or a mapping of {keys}, got {self.regenerate!r}")
+        settings = self.regeneration()
+        if settings and settings.prompt_tokens >= self.seq_len:
+            raise RecipeError(f"regenerate.prompt_tokens ({settings.prompt_tokens}) must be below seq_len ({self.seq_len})")
         if self.recipe != "eagle3" and (self.draft_vocab_size is not None or self.feature_layers is not None):
             raise RecipeError("draft_vocab_size and feature_layers apply to eagle3 recipes only")
 
@@ -89,9 +90,10 @@ class Recipe:
         if self.regenerate is False:
             return None
         settings = {} if self.regenerate is True else self.regenerate
-        unknown = sorted(set(settings) - {f.name for f in fields(Regeneration)})
+        known = [f.name for f in fields(Regeneration)]
+        unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise RecipeError(f"unknown regenerate key {unknown[0]!r} (known: {', '.join(f.name for f in fields(Regeneration))})")
+            raise RecipeError(f"unknown regenerate key {unknown[0]!r} (known: {', '.join(known)})")
         return Regeneration(**settings)
 
     def regeneration_cache(self) -> Path:

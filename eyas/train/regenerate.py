@@ -45,15 +45,17 @@ def spread(data: Packed, windows: int | None) -> Packed:
 
 
 def cache_key(target: TargetModel, data: Packed, settings: Regeneration) -> dict:
+    settings = {k: v for k, v in asdict(settings).items() if k != "batch"}
     return {"fingerprint": asdict(target.fingerprint), "windows": tokens_digest(data), "sequences": len(data),
-            "seq_len": int(data.tokens.shape[1]), "settings": {k: v for k, v in asdict(settings).items() if k != "batch"}}
+            "seq_len": int(data.tokens.shape[1]), "settings": settings}
 
 
 def plain_engine(target_dir: str | Path, slots: int, seq_len: int) -> Engine:
     """An engine that only decodes plainly: the target with a KV pool, and an untrained drafter it never runs."""
-    target = TargetModel.from_pretrained(target_dir, FeatureAddress.eagle1(), kv_slots=slots, max_seq_len=seq_len)
+    address = FeatureAddress.eagle1()
+    target = TargetModel.from_pretrained(target_dir, address, kv_slots=slots, max_seq_len=seq_len)
     unused = build_drafter("eagle1", drafter_config("eagle1", target.config)).bind_target(target.embed, target.lm_head)
-    return Engine(target, unused, Manifest(target.fingerprint, FeatureAddress.eagle1(), DRAFTER_ABI["eagle1"]), tree=None)
+    return Engine(target, unused, Manifest(target.fingerprint, address, DRAFTER_ABI["eagle1"]), tree=None)
 
 
 def generate_windows(target_dir: str | Path, data: Packed, settings: Regeneration, progress: bool = True) -> Packed:
@@ -67,12 +69,12 @@ def generate_windows(target_dir: str | Path, data: Packed, settings: Regeneratio
     supervise = torch.zeros(n, seq_len, dtype=torch.bool)
     temps = settings.temperatures
     groups = [[i for i in range(n) if i % len(temps) == k] for k in range(len(temps))]  # one temperature per batch
-    batches = [(temps[k], g[i : i + settings.batch]) for k, g in enumerate(groups) for i in range(0, len(g), settings.batch)]
+    step = settings.batch
+    batches = [(temps[k], g[i : i + step]) for k, g in enumerate(groups) for i in range(0, len(g), step)]
     for temperature, chunk in tqdm(batches, desc="regenerating windows", unit="batch", disable=not progress):
-        made = engine.generate_batch(
-            [heads[i] for i in chunk], [seq_len - len(heads[i]) for i in chunk], temperature=float(temperature),
-            seed=list(chunk), stop_at_eos=True, speculate=False,
-        )
+        lengths = [seq_len - len(heads[i]) for i in chunk]
+        made = engine.generate_batch([heads[i] for i in chunk], lengths, temperature=float(temperature), seed=list(chunk),
+                                     stop_at_eos=True, speculate=False)
         for i, gen in zip(chunk, made):
             row = heads[i] + list(gen.token_ids)
             tokens[i, : len(row)] = torch.tensor(row)
