@@ -23,6 +23,8 @@ def fit_distributed(recipe: Recipe, resume_from: str | Path | None = None, progr
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    if recipe.regeneration():  # the workers read the windows the driver regenerates, wherever they run
+        recipe = Recipe.from_dict({**recipe.to_dict(), "regenerate_cache": str(recipe.regeneration_cache().resolve())})
     if recipe.regeneration() or (recipe.features != "online" and not (Path(recipe.features) / "cache.json").exists()):
         from .trainer import Trainer
 
