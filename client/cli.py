@@ -242,6 +242,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     recipe = Recipe.from_yaml(
         args.config, target=args.target, output=args.output, max_steps=args.max_steps, workers=args.workers
     )
+    if args.regenerate and not recipe.regenerate:
+        recipe = Recipe.from_dict({**recipe.to_dict(), "regenerate": True})
     if recipe.workers > 1:
         from eyas.train.distributed import fit_distributed
 
@@ -257,7 +259,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo_build(args: argparse.Namespace) -> int:
     """Rebuild the bundled demo models stage by stage (each checkpointed under --work-dir; a rerun resumes), then
     measure every drafter and write models/demo/REPORT.md. Default stages: target, draft-lm, eagle1, hass, eagle3
-    (about 2.5 hours on 2 cores); --only moe builds the MoE target and its EAGLE-3 drafter."""
+    (the target about 2 hours; the drafters' training windows are rewritten by the target once, shared, then each
+    drafter trains an hour of processor time); --only moe builds the MoE target and its EAGLE-3 drafter."""
     from eyas.demo.drafters import DEFAULT_STAGES, build_demo
 
     quiet_loading()
@@ -475,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, help="override the recipe's number of optimizer steps")
     train.add_argument("--workers", type=int, help="data-parallel Ray Train workers (gloo on CPU)")
     train.add_argument("--resume", help="checkpoint directory to resume from (same recipe)")
+    train.add_argument("--regenerate", action="store_true", help="train on the target's own continuations of the "
+                       "windows (the recipe's regenerate settings, or the defaults), cached beside the output")
     train.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="the bundled demo models")

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas.demo.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
-from eyas.demo.drafters import build_demo, latest_checkpoint
+from eyas.train.corpus import HELDOUT_MODULES, Corpus, collect, heldout_prompts
+from eyas.demo.drafters import build_demo, latest_checkpoint, training_summary
 import eyas.demo.lm as lm
 from eyas.demo.lm import CHECKPOINT_FILE, train_lm
 from eyas.demo.tokenizer import EOT, PAD, train_tokenizer
@@ -121,3 +121,11 @@ def test_demo_build_resumes_drafters_from_their_newest_checkpoint_and_refuses_un
     assert latest_checkpoint(tmp_path / "none") is None
     with pytest.raises(ValueError, match="unknown demo stage 'eagle2'"):
         build_demo(tmp_path, tmp_path, stages=("target", "eagle2"))
+
+
+def test_training_summary_adds_the_processor_time_of_every_run(tmp_path):
+    records = [{"step": 1, "cpu_s": 60.0}, {"step": 2, "cpu_s": 120.0}, {"step": 2, "eval": {"top1/0": 0.5}},
+               {"step": 3, "cpu_s": 30.0}, {"step": 4, "cpu_s": 90.0}]  # resumed after step 2
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert training_summary(tmp_path, 7.0) == ("4 steps, 7.0 minutes (3.5 minutes of processor time); "
+                                               "held-out top-1 agreement by rollout step {'top1/0': 0.5}")

@@ -93,6 +93,13 @@ def test_floors_only_import_downward():
     assert not upward, "imports that climb a floor:\n" + "\n".join(sorted(upward))
 
 
+def test_the_trainer_does_not_import_the_demo_package():
+    edges = graph()
+    climbing = sorted(f"{src} -> {dst}" for src, targets in edges.items() if src.startswith("eyas.train")
+                      for dst in targets if dst.startswith("eyas.demo"))
+    assert climbing == [], "the training code imports the demo package:\n" + "\n".join(climbing)
+
+
 def test_the_engine_contracts_stay_below_the_runtime():
     edges = graph()
     assert [name for name in CONTRACTS if floor_of(name, edges) != FLOORS.index("eyas")] == []

@@ -15,11 +15,18 @@ from eyas.target import TargetModel, TargetSession
 from eyas.train.data import segment_causal_mask
 from eyas.train.features import teacher_features
 from eyas.train.objectives import rollout_states
-from eyas.train.rollout import rollout_mask, step_supervised, step_valid
+from eyas.train.rollout import RolloutKV, step_supervised, step_valid
 from eyas.train.rows import compile_rows, gather_rows
 from eyas.tree import TreePolicy
 
 SEGMENTS = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def rollout_mask(plan, step: int) -> torch.Tensor:
+    """The rollout's visibility written densely: [B, 1, L, (step + 1) L] over the keys of steps 0..step."""
+    b, _, l, _ = plan.mask.shape
+    ancestors_and_self = [torch.eye(l, dtype=torch.bool).expand(b, 1, l, l)] * step  # row t at steps 1..step
+    return torch.cat([plan.mask, *ancestors_and_self], dim=-1)
 
 
 def packed_plan():
@@ -48,6 +55,27 @@ def test_rollout_mask_is_the_dependency_graph(step):
         assert seen == prefix | ancestors | own
         assert not any(k >= 1 and j != t for k, j in seen)  # no sibling edge
         assert not any(k > step for k, _ in seen)  # no future step
+
+
+def test_rollout_attention_reads_exactly_what_the_dense_mask_shows():
+    """RolloutKV's diagonal reading equals attention over every step's keys under the dense mask, for GQA too."""
+    plan = packed_plan()
+    b, _, l, _ = plan.mask.shape
+    generator = torch.Generator().manual_seed(0)
+    kv, keys, values = RolloutKV(), [], []
+    for step in range(4):
+        q = torch.randn(b, 4, l, 8, generator=generator, requires_grad=True)
+        k, v = (torch.randn(b, 2, l, 8, generator=generator) for _ in range(2))
+        keys.append(k)
+        values.append(v)
+        got = kv.attend(q, k, v, plan.mask)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=rollout_mask(plan, step), enable_gqa=True
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        (g_got,) = torch.autograd.grad(got.sum(), q)
+        (g_want,) = torch.autograd.grad(want.sum(), q)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
 
 
 def test_step_validity_follows_the_segment_chain():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from tests.helpers.tiny import add_tokenizer, make_target
+from tests.helpers.tiny import add_tokenizer, make_target, write_word_text
 
 from eyas import Engine
 from eyas.train.data import DataError, read_documents
@@ -21,10 +21,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     target = make_target(root / "target")
     add_tokenizer(target)
-    rng = random.Random(0)
-    with open(root / "data.jsonl", "w") as f:
-        for _ in range(40):
-            f.write(json.dumps({"text": " ".join(f"w{rng.randint(5, 95)}" for _ in range(rng.randint(5, 60)))}) + "\n")
+    write_word_text(root / "data.jsonl", docs=40, lengths=(5, 60))
     return root, target
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eyas.assets import demo_model
-from eyas.demo.corpus import heldout_prompts
+from eyas.train.corpus import heldout_prompts
 from eyas.engine import Engine
 
 EYAS_DRAFTERS = ("eagle1", "hass", "eagle3")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eyas.demo.corpus import collect
+from eyas.train.corpus import collect
 from eyas.engine import Engine
 from eyas.runtime.batch import pack
 from eyas.sampling import SamplingParams

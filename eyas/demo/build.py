@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eyas.demo.corpus import Corpus, collect
+from eyas.train.corpus import Corpus, collect
 from eyas.demo.lm import PRESETS, encode_docs, train_lm
 from eyas.demo.tokenizer import load_tokenizer, train_tokenizer
 

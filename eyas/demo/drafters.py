@@ -22,7 +22,7 @@ from ..manifest import MANIFEST_FILE
 from ..train.recipe import Recipe
 from ..train.trainer import LOG_FILE, STATE_FILE, Trainer
 from .build import build_base_model
-from .corpus import collect
+from ..train.corpus import collect
 from .report import measure, write_report
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "train"
@@ -48,14 +48,17 @@ def publish_drafter(checkpoint: Path, destination: Path) -> None:
 
 
 def training_summary(output: Path, minutes: float) -> str:
-    last_eval, steps = {}, 0
+    last_eval, steps, cpu, run_cpu = {}, 0, 0.0, 0.0
     for line in (output / LOG_FILE).read_text().splitlines():
         record = json.loads(line)
         steps = max(steps, record.get("step", 0))
+        if "cpu_s" in record:  # each run (a resumption starts one) counts its own processor time from zero
+            cpu, run_cpu = (cpu + run_cpu, 0.0) if record["cpu_s"] < run_cpu else (cpu, record["cpu_s"])
         if record.get("eval"):
             last_eval = record["eval"]
     top1 = {k: round(v, 3) for k, v in last_eval.items() if k.startswith("top1/")}
-    return f"{steps} steps, {minutes:.1f} minutes; held-out top-1 agreement by rollout step {top1}"
+    processor = f" ({(cpu + run_cpu) / 60:.1f} minutes of processor time)" if cpu + run_cpu else ""
+    return f"{steps} steps, {minutes:.1f} minutes{processor}; held-out top-1 agreement by rollout step {top1}"
 
 
 def latest_checkpoint(output: Path) -> Path | None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
                           PreTrainedModel, PreTrainedTokenizerFast)
 
-from eyas.demo.corpus import Corpus, Doc, collect
+from eyas.train.corpus import Corpus, Doc, collect
 from eyas.demo.tokenizer import load_tokenizer
 
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM)}

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..assets import DEFAULT_DRAFTER
 from ..engine import Engine
+from ..train.corpus import heldout_prompts
 from ..train.plots import plot_lm_curves
-from .corpus import heldout_prompts
 
 TREES = {
     "tree (width 8, depth 5, budget 32)": {"width": 8, "depth": 5, "budget": 32},
@@ -23,7 +24,7 @@ TREES = {
 }
 SAMPLED_TREES = ("tree (width 8, depth 5, budget 32)", "chain (depth 5)")
 TEMPERATURES = (0.7, 1.0)
-SPEED_DRAFTER = "eagle3"  # timed against plain Hugging Face generate at greedy and each of TEMPERATURES
+SPEED_DRAFTER = DEFAULT_DRAFTER  # timed against plain Hugging Face generate at greedy and each of TEMPERATURES
 # drafter directory -> the target directory it drafts for
 DRAFTER_TARGETS = {"eagle1": "target", "hass": "target", "eagle3": "target", "moe-eagle3": "moe"}
 BASE_MODELS = ("target", "draft-lm", "moe")

@@ -66,6 +66,13 @@ class KVCache:
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
         return self.keys, self.values
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Append k, v [B, KVH, Q, hd] and attend q [B, H, Q, hd] over every key the mask [B, 1, Q, S] shows."""
+        keys, values = self.append(k, v)  # [B, KVH, S, hd], in the cache's dtype
+        return F.scaled_dot_product_attention(
+            q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1]
+        )  # [B, H, Q, hd]
+
     def truncate(self, length: int) -> None:
         if self.keys is not None and length < len(self):
             self.keys = self.keys[:, :, :length]
@@ -147,10 +154,7 @@ class Attention(nn.Module):
         q = rotate(self.q_proj(x).view(b, q_len, self.heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, H, Q, hd]
         k = rotate(self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, KVH, Q, hd]
         v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
-        keys, values = kv.append(k, v)  # [B, KVH, S, hd], in the cache's dtype
-        out = F.scaled_dot_product_attention(
-            q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
-        )  # [B, H, Q, hd]
+        out = kv.attend(q, k, v, mask)  # [B, H, Q, hd]
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 

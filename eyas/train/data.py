@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..demo.corpus import collect
+from .corpus import collect
 
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst"}
 

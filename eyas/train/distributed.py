@@ -23,10 +23,12 @@ def fit_distributed(recipe: Recipe, resume_from: str | Path | None = None, progr
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if recipe.features != "online" and not (Path(recipe.features) / "cache.json").exists():
+    if recipe.regeneration():  # the workers read the windows the driver regenerates, wherever they run
+        recipe = Recipe.from_dict({**recipe.to_dict(), "regenerate_cache": str(recipe.regeneration_cache().resolve())})
+    if recipe.regeneration() or (recipe.features != "online" and not (Path(recipe.features) / "cache.json").exists()):
         from .trainer import Trainer
 
-        Trainer(recipe.__class__(**{**recipe.to_dict(), "workers": 1}))  # builds the shared cache once, up front
+        Trainer(recipe.__class__(**{**recipe.to_dict(), "workers": 1}))  # builds the shared caches once, up front
     output = Path(recipe.output).resolve()
     trainer = TorchTrainer(
         _worker_loop,

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters import Drafter, Eagle3Drafter, KVCache
+from ..drafters import Drafter, Eagle3Drafter
 from .losses import masked_smooth_l1, masked_soft_ce, masked_topk_ce
-from .rollout import rollout_mask, shift_rows, step_supervised
+from .rollout import RolloutKV, shift_rows, step_supervised
 from .rows import RowPlan
 
 NOISE_KINDS = ("paper", "pinned", "none")
@@ -103,10 +103,10 @@ def rollout_states(
     detach_state: bool,
 ) -> Iterator[torch.Tensor]:
     """Yield the drafter's output [B, L, d] at each rollout step, each step fed the previous step's output."""
-    kv = KVCache()
+    kv = RolloutKV()
     state = drafter.seed_hidden(source_feature)  # [B, L, d]
     for s in range(steps):
-        out = drafter.step(state, shift_rows(advanced_token, s), plan.position + s, kv, rollout_mask(plan, s))
+        out = drafter.step(state, shift_rows(advanced_token, s), plan.position + s, kv, plan.mask)
         yield out  # [B, L, d]
         state = out.detach() if detach_state else out
 

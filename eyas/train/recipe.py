@@ -15,6 +15,25 @@ class RecipeError(ValueError):
 
 
 @dataclass
+class Regeneration:
+    """How the target rewrites the training windows (eyas/train/regenerate.py); all but `batch` key the cache."""
+
+    prompt_tokens: int = 32  # each window's first tokens, kept as its unsupervised prompt
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])  # window i decodes at [i % len]
+    windows: int | None = None  # regenerate this many windows, evenly spread over the data (null: every window)
+    batch: int = 64  # windows decoded together
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "batch", "windows"):
+            value = getattr(self, name)
+            if (value is not None or name != "windows") and (not isinstance(value, int) or value < 1):
+                raise RecipeError(f"regenerate.{name}: must be a positive integer, got {value!r}")
+        temps = self.temperatures
+        if not isinstance(temps, list) or not temps or any(not isinstance(t, (int, float)) or t < 0 for t in temps):
+            raise RecipeError(f"regenerate.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
+
+
+@dataclass
 class Recipe:
     recipe: str
     target: str
@@ -42,6 +61,8 @@ class Recipe:
     save_every: int = 500
     log_every: int = 10
     workers: int = 1
+    regenerate: bool | dict = False  # train on the target's continuations of the windows (true, or Regeneration keys)
+    regenerate_cache: str | None = None  # where regenerated windows are kept (null: regenerated/ beside output)
 
     def __post_init__(self) -> None:
         if self.recipe not in KINDS:
@@ -55,8 +76,28 @@ class Recipe:
             raise RecipeError(f"batch_size {self.batch_size} must divide evenly among {self.workers} workers")
         if len(self.betas) != 2:
             raise RecipeError(f"betas: two values expected, got {self.betas!r}")
+        if not isinstance(self.regenerate, (bool, dict)):
+            keys = [f.name for f in fields(Regeneration)]
+            raise RecipeError(f"regenerate: true, false or a mapping of {keys}, got {self.regenerate!r}")
+        settings = self.regeneration()
+        if settings and settings.prompt_tokens >= self.seq_len:
+            raise RecipeError(f"regenerate.prompt_tokens ({settings.prompt_tokens}) must be below seq_len ({self.seq_len})")
         if self.recipe != "eagle3" and (self.draft_vocab_size is not None or self.feature_layers is not None):
             raise RecipeError("draft_vocab_size and feature_layers apply to eagle3 recipes only")
+
+    def regeneration(self) -> Regeneration | None:
+        """The regeneration settings, or None when the drafter trains on the data as written."""
+        if self.regenerate is False:
+            return None
+        settings = {} if self.regenerate is True else self.regenerate
+        known = [f.name for f in fields(Regeneration)]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise RecipeError(f"unknown regenerate key {unknown[0]!r} (known: {', '.join(known)})")
+        return Regeneration(**settings)
+
+    def regeneration_cache(self) -> Path:
+        return Path(self.regenerate_cache) if self.regenerate_cache else Path(self.output).parent / "regenerated"
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":

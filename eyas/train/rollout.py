@@ -10,18 +10,39 @@ up to its root (the legal target prefix), its draft ancestors (row t at steps 1.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .rows import RowPlan
 
 
-def rollout_mask(plan: RowPlan, step: int) -> torch.Tensor:
-    """[B, 1, L, (step + 1) L] bool visibility of step-`step` queries over the keys of steps 0..step."""
-    b, _, l, _ = plan.mask.shape
-    eye = torch.eye(l, dtype=torch.bool).expand(b, 1, l, l)
-    if step == 0:
-        return plan.mask
-    ancestors_and_self = [eye] * step  # row t at steps 1..step
-    return torch.cat([plan.mask, *ancestors_and_self], dim=-1)
+class RolloutKV:
+    """The drafter's keys during a rollout: step 0's rows, read under the plan's mask, and each later step's own row.
+
+    A step-s query of root row t sees the step-0 rows the plan's mask shows it and row t at steps 1..s, so the
+    later steps' keys are read along their diagonal rather than as s L more columns that the mask would hide.
+    """
+
+    def __init__(self) -> None:
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.own: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, L, hd], this step's k, v [B, KVH, L, hd], the plan's mask [B, 1, L, L] -> [B, H, L, hd]."""
+        groups = q.shape[1] // k.shape[1]
+        if self.prefix is None:
+            self.prefix = (k, v)
+            return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=groups > 1)
+        self.own.append((k, v))
+        k0, v0 = (t.repeat_interleave(groups, dim=1) for t in self.prefix)  # [B, H, L, hd]
+        own_k, own_v = (torch.stack([t.repeat_interleave(groups, dim=1) for t in ts], dim=-2) for ts in zip(*self.own))
+        scale = q.shape[-1] ** -0.5
+        scores = torch.cat([
+            (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")),  # [B, H, L, L]
+            (q.unsqueeze(-2) * own_k).sum(-1) * scale,  # [B, H, L, s]: row t at steps 1..s
+        ], dim=-1)
+        weights = torch.softmax(scores.float(), dim=-1).to(v0.dtype)
+        length = k0.shape[2]
+        return weights[..., :length] @ v0 + (weights[..., length:, None] * own_v).sum(-2)
 
 
 def shift_rows(x: torch.Tensor, step: int, fill: float | int = 0) -> torch.Tensor:

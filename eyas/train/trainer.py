@@ -25,6 +25,7 @@ from .data import DataError, Packed, pack, read_documents
 from .features import feature_source
 from .objectives import Objective, feature_noise, rollout_loss, teacher_rows
 from .recipe import Recipe, RecipeError
+from .regenerate import regenerated
 from .rows import compile_rows, gather_rows
 from .vocab import draft_vocabulary
 
@@ -96,6 +97,10 @@ class Trainer:
         if self.target.tokenizer is None:
             raise DataError(f"{recipe.target}: the target has no tokenizer to encode training text with")
         self.train_data = self._load(recipe.data)
+        if recipe.regeneration():
+            self.train_data = regenerated(
+                recipe.target, self.target, self.train_data, recipe.regeneration(), recipe.regeneration_cache(), self.comm.rank == 0
+            )
         if self.train_data.supervised_tokens == 0:
             raise DataError("the training data has no supervised tokens after masking")
         self.eval_data = self._load(recipe.eval_data) if recipe.eval_data else None
@@ -302,11 +307,12 @@ class Trainer:
         log = (self.output / LOG_FILE).open("a") if lead else None
         bar = tqdm(total=self.recipe.max_steps, initial=self.step, disable=not (progress and lead), unit="step")
         tokens_per_step = self.recipe.batch_size * self.recipe.seq_len
-        started, done_at_start = time.perf_counter(), self.step
+        started, started_cpu, done_at_start = time.perf_counter(), time.process_time(), self.step
         while self.step < self.recipe.max_steps:
             record = self.train_step()
             elapsed = time.perf_counter() - started
             record["tokens_per_s"] = (self.step - done_at_start) * tokens_per_step / max(elapsed, 1e-9)
+            record["cpu_s"] = time.process_time() - started_cpu  # this run's processor time: compute on a shared machine
             bar.update(1)
             if "loss" in record:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -25,3 +25,16 @@ def draft_vocabulary(data: Packed, draft_size: int, vocab_size: int) -> torch.Te
     counts = torch.bincount(target[keep], minlength=vocab_size).double()
     order = torch.argsort(-counts, stable=True)  # stable: ties keep ascending ids
     return order[:draft_size].sort().values
+
+
+@torch.no_grad()
+def outside_mass(probs: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Target mass a draft vocabulary cannot propose: probs [..., V], ids [V'] target ids, mask [...] rows to count.
+
+    Returns the mean probability outside the vocabulary and the share of rows whose target argmax is outside.
+    """
+    inside = torch.zeros(probs.shape[-1], dtype=torch.bool)
+    inside[ids] = True
+    rows = mask.sum().clamp(min=1)
+    outside = (probs * ~inside).sum(-1)
+    return {"mass": float((outside * mask).sum() / rows), "argmax": float((~inside[probs.argmax(-1)] & mask).sum() / rows)}

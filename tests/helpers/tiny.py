@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import torch
@@ -72,6 +74,15 @@ def make_drafter(
         save_file(weights, str(directory / "model.safetensors"))
     Manifest(target=target.fingerprint, feature=address, drafter_abi=DRAFTER_ABI[kind]).save(directory)
     return Path(directory)
+
+
+def write_word_text(path: Path, docs: int, lengths: tuple[int, int], seed: int = 0) -> Path:
+    """A JSONL file of `docs` {"text": "w5 w17 ..."} documents of random lengths, for targets with add_tokenizer's words."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(docs):
+            f.write(json.dumps({"text": " ".join(f"w{rng.randint(5, 95)}" for _ in range(rng.randint(*lengths)))}) + "\n")
+    return Path(path)
 
 
 def add_tokenizer(directory: Path, vocab_size: int = 96, shift: int = 0) -> None:

@@ -1,4 +1,7 @@
-"""The demo corpus: the Python standard library's own source, split into train and held-out modules by a fixed list."""
+"""The standard-library corpus (`stdlib:` training data, the demo models'): Python's own source, split by a fixed list.
+
+The held-out modules are never trained on; the demo report's prompts come from them.
+"""
 
 from __future__ import annotations
 
