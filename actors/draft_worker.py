@@ -112,10 +112,10 @@ class DraftWorker(Worker):
         self.feature_width = self.manifest.feature.width(int(embed.weight.shape[1]))
         self.max_positions = int((config.get("text_config") or config).get("max_position_embeddings", 0))
 
-    def _draft_ahead(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
+    def _draft_ahead(self, steps: Steps[None], priority: Callable[[], str]) -> Future:
         """A session's drafting ahead runs on the compute thread in the steps no call waits for, while it is a guess
-        (`Lockstep`: it never widens a batch that requests wait on); once the request's next call has arrived, which
-        waits for it (`followup`), it ends at the drafter step it waits for, without running it."""
+        (`Lockstep`: it never widens a batch that requests wait on); once the verification it guesses at is relayed,
+        it finishes the decided outcome's tree (which the request's next call waits for: `followup`) or ends."""
         settled: Future = Future()
 
         def ended(submitted: "Future[Operation]") -> None:
@@ -125,7 +125,7 @@ class DraftWorker(Worker):
             else:
                 settled.set_result(None)
 
-        self.scheduler.submit(steps, guessing).add_done_callback(ended)
+        self.scheduler.submit(steps, priority).add_done_callback(ended)
         return settled
 
     def followup(self, request_id: str) -> Future | None:
@@ -281,11 +281,14 @@ class DraftWorker(Worker):
                 continue
             drafted: Drafted = call.reply
             try:
-                self.relayed[drafted.ref.request_id] = self._receive(drafted, result.reply)
+                relayed = self.relayed[drafted.ref.request_id] = self._receive(drafted, result.reply)
             except (DecodeError, wire.WireError, TreeError) as exc:
                 field = getattr(exc, "field", "message")
                 call.fail(ServiceError(grpc.StatusCode.INTERNAL, f"target.{field}", f"the target's verification fails its receipt check: {exc}"))
                 continue
+            session = self.sessions.get(drafted.ref.request_id)
+            if session is not None:  # drafting ahead stops guessing: this is the outcome the next round builds on
+                session.decide_ahead(relayed.tokens[:-1], relayed.tokens[-1])
             call.clock.lap("decode")
             call.reply = pb.RoundReply(
                 ref=drafted.ref, proposal=drafted.proposal, verify_request=drafted.verify_request, verification=result.reply,

@@ -25,7 +25,7 @@ from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, 
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
-from .runtime.batch import GuessDecided, Packed, RowsCall, merge_calls, pack, split_rows
+from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
@@ -36,8 +36,8 @@ from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
 
-# runs a session's drafting ahead beside the round, given whether it is still a guess (no decision yet); done when it is
-AheadRunner = Callable[[Steps[None], Callable[[], bool]], Future]
+# runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`); done when it is
+AheadRunner = Callable[[Steps[None], Callable[[], str]], Future]
 
 
 @dataclass
@@ -228,7 +228,7 @@ class DraftModel:
             calls[i] = replace(calls[i], states=s, features=None)
         return calls
 
-    def _run_in_background(self, steps: Steps[None], guessing: Callable[[], bool]) -> Future:
+    def _run_in_background(self, steps: Steps[None], priority: Callable[[], str]) -> Future:
         """One process: the drafting ahead runs alone on its own thread (the reseed waits for it)."""
         return self._background.submit(run_alone, steps)
 
@@ -291,7 +291,8 @@ class DraftSession:
         self.ahead_hits = 0
         self.proposed: tuple[int, DraftTree, list[int]] | None = None  # version, recorded tree, verified nodes
         self._ahead_job: Future | None = None
-        self._ahead_stop = False  # set once the outcome drafting ahead guesses at is known; read between its steps
+        self._ahead_stop = False  # set once the next round has come: drafting ahead stops; read between its steps
+        self._decided: tuple[tuple[int, ...], int] | None = None  # the outcome it guessed at, once known
 
     def __del__(self) -> None:
         self.close()  # a session dropped without close() still returns its slot
@@ -304,6 +305,23 @@ class DraftSession:
         if getattr(self, "slot", None) is not None:
             self.model.pool.release(self.slot)
             self.slot = None
+
+    def decide_ahead(self, accepted_tokens: tuple[int, ...], bonus: int) -> None:
+        """The verification drafting ahead guesses at has decided (a draft worker relays it): the guesses stop at their
+        next drafter step but the one for this outcome, which is then what the next round waits for. Safe from any
+        thread."""
+        self._decided = (tuple(int(t) for t in accepted_tokens), int(bonus))
+
+    def _ahead_priority(self) -> str:
+        """The drafting ahead's priority on a worker's compute thread (`eyas.runtime.batch.Operation`)."""
+        if self._decided is not None:
+            return FOREGROUND  # it finishes the decided outcome's tree, or ends at once
+        return CANCELLED if self._ahead_stop else BACKGROUND
+
+    def _growing(self, outcome: tuple[tuple[int, ...], int]) -> bool:
+        """Whether a tree drafted ahead for `outcome` goes on growing: as a guess until the decision or an interrupt,
+        after the decision only if it is the decided outcome's."""
+        return outcome == self._decided if self._decided is not None else not self._ahead_stop
 
     def interrupt_ahead(self) -> None:
         """The round the drafting ahead guesses at is decided (a worker: the request's next call has arrived): stop
@@ -420,8 +438,8 @@ class DraftSession:
             grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy, candidates)
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
             self.proposed = (version, grown.proposal.draft_tree, grown.proposal.row_nodes)
-            self._ahead_stop = False
-            self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy), lambda: not self._ahead_stop)
+            self._ahead_stop, self._decided = False, None
+            self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy), self._ahead_priority)
         return grown.proposal
 
     def _grow(
@@ -483,7 +501,7 @@ class DraftSession:
         try:
             proposal, states, path_rows = grown.proposal, grown.states, grown.path_rows
             tree, nodes, prefix_len = proposal.draft_tree, proposal.row_nodes, proposal.tree.prefix_len
-            if self._ahead_stop:
+            if self._ahead_stop or self._decided is not None:
                 return
             leaves = [n for n in nodes if n not in states]
             if leaves:
@@ -493,7 +511,7 @@ class DraftSession:
             tokens, probs = self.model.served.candidates(torch.stack([states[n] for n in nodes]), width)
             candidates = [list(zip(t, q)) for t, q in zip(tokens.tolist(), probs.tolist())]
             outcomes = likeliest_outcomes(tree, nodes, candidates, self.model.calibration, self.model.ahead_trees)
-            if not outcomes or self._ahead_stop:
+            if not outcomes or self._ahead_stop or self._decided is not None:
                 return
             # the bonus rows: each bonus b as a child of its node n, one drafter step for all of them
             base = self.written
@@ -503,25 +521,28 @@ class DraftSession:
                 [prefix_len + tree.depths[n] for _, n, _ in outcomes],
                 torch.stack([states[n] for _, n, _ in outcomes]),
             )).states  # [T, d]
+            paths = [tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:]) for _, n, _ in outcomes]
             growths = [
                 self._grow(
-                    b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy, stop=lambda: self._ahead_stop
+                    b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy,
+                    stop=lambda outcome=(paths[i], b): not self._growing(outcome),
                 )
                 for i, (_, n, b) in enumerate(outcomes)
             ]
             # the likeliest tree grows first, alone, so that it is done when a decision arrives mid-way (trees grown
-            # together finish together, or not at all); then the others, together
+            # together finish together, unless the decision stops the others); then the others, together
             for first, last in ((0, 1), (1, len(outcomes))):
-                for (_, n, b), built in zip(outcomes[first:last], (yield from self._grow_together(growths[first:last]))):
-                    if built is None:  # stopped: the decision has arrived
-                        return
-                    path = tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:])
-                    built.proposal.assumed = (path, b)
-                    self.ahead[(version, path, b, policy)] = built
-                    self.ahead_built += 1
+                built_trees = yield from self._grow_together(growths[first:last])
+                for path, (_, _, b), built in zip(paths[first:last], outcomes[first:last], built_trees):
+                    if built is not None:  # None: stopped, another outcome was decided
+                        built.proposal.assumed = (path, b)
+                        self.ahead[(version, path, b, policy)] = built
+                        self.ahead_built += 1
+                if self._decided is not None:
+                    return
         except KVCapacityError:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
-        except GuessDecided:
+        except Cancelled:
             pass  # a worker's lockstep ended it at its next forward: the trees built stay, the half-built are dropped
 
     def _grow_together(self, growths: list[Steps["Grown | None"]]) -> Steps[list["Grown | None"]]:

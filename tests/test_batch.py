@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.errors import RequestError
-from eyas.runtime.batch import GuessDecided, Lockstep, RowsCall, Scheduler, merge_calls
+from eyas.runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Lockstep, RowsCall, Scheduler, merge_calls
 from eyas.runtime.kv import slot_runs
 from eyas.steps import Forward
 from eyas.target import TargetSession
@@ -193,10 +193,10 @@ def test_a_failing_forward_fails_only_its_own_operations(world):
     assert fine.error is None and fine.result.shape[0] == len(PROMPTS[0])
 
 
-def test_a_guess_runs_only_in_steps_no_other_operation_waits_for():
-    """A speculative operation (drafting ahead) never joins a batch other operations wait on: it runs when nothing
-    else waits, and once it is no longer a guess (the decision it guessed at has arrived) it ends at the forward it
-    waits for, which does not run."""
+def test_a_background_operation_runs_only_in_steps_no_other_operation_waits_for():
+    """A background operation (drafting ahead) never joins a batch other operations wait on: it runs when nothing
+    else waits; brought to the foreground (its decided outcome's tree) it batches with the others; cancelled, it ends
+    at the forward it waits for, which does not run."""
 
     class Recorder:
         def __init__(self):
@@ -215,23 +215,26 @@ def test_a_guess_runs_only_in_steps_no_other_operation_waits_for():
         try:
             for i in range(n):
                 yield Forward(model, f"{name}{i}")
-        except GuessDecided:
-            return "decided"
+        except Cancelled:
+            return "cancelled"
         return "done"
 
     lockstep = Lockstep()
-    guessing = True
-    guess = lockstep.add(steps("guess", 3), speculative=lambda: guessing)
+    priority = BACKGROUND
+    guess = lockstep.add(steps("guess", 4), priority=lambda: priority)
     call = lockstep.add(steps("call", 2))
     lockstep.step(), lockstep.step()
     assert model.batches == [["call0"], ["call1"]] and call.result == "done"  # the guess waited while the call ran
     lockstep.step()
     assert model.batches[-1] == ["guess0"]  # nothing else waits: the guess runs
-    lockstep.add(steps("next", 1))
-    guessing = False
+    lockstep.add(steps("next", 2))
+    priority = FOREGROUND
     lockstep.step()
-    assert model.batches[-1] == ["next0"] and guess.result == "decided"  # guess1 never ran
-    assert not lockstep.waiting and len(model.batches) == 4
+    assert model.batches[-1] == ["guess1", "next0"]  # in the foreground it batches with the others
+    priority = CANCELLED
+    lockstep.step()
+    assert model.batches[-1] == ["next1"] and guess.result == "cancelled"  # guess2 never ran
+    assert not lockstep.waiting and len(model.batches) == 5
 
 
 def test_more_requests_than_slots_wait_for_one(world):

@@ -134,9 +134,11 @@ def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return list(torch.split(x, lengths))
 
 
-class GuessDecided(Exception):
-    """Thrown into a speculative operation at the forward it waits for, once it is no longer a guess: what it guessed
-    at is decided, and that forward would only delay the call that waits for it."""
+FOREGROUND, BACKGROUND, CANCELLED = "foreground", "background", "cancelled"  # what an operation's `priority` says
+
+
+class Cancelled(Exception):
+    """Thrown into an operation at the forward it waits for, once its `priority` says it is cancelled."""
 
 
 class Operation:
@@ -144,14 +146,15 @@ class Operation:
     batch-mates (from asking for a forward to the start of the batch that ran it), and, where its lockstep keeps them,
     the batches it took part in (rows, its batch-mates' among them, and wall seconds of each)."""
 
-    __slots__ = ("steps", "done", "speculative", "forward", "asked", "waited", "forwards", "result", "error")
+    __slots__ = ("steps", "done", "priority", "forward", "asked", "waited", "forwards", "result", "error")
 
-    def __init__(self, steps: Steps, done: Callable[["Operation"], None], speculative: Callable[[], bool] | None = None):
-        """`speculative`: while it says so, the operation is a guess (drafting ahead) that gives way to the others;
-        once it says no more, the operation gets `GuessDecided` at the forward it waits for."""
+    def __init__(self, steps: Steps, done: Callable[["Operation"], None], priority: Callable[[], str] | None = None):
+        """`priority`, asked before each step: FOREGROUND (always, when None), BACKGROUND (the operation gives way: it
+        runs only in steps no other operation waits for) or CANCELLED (it gets `Cancelled` at the forward it waits
+        for)."""
         self.steps = steps
         self.done = done
-        self.speculative = speculative
+        self.priority = priority
         self.forward: Forward | None = None
         self.asked = 0.0
         self.waited = 0.0
@@ -169,8 +172,8 @@ class Lockstep:
     back into it and each drafting level does not also pay for a verification; a model passed over `MAX_SKIPS`
     steps in a row runs next. A batch takes calls in arrival order up to `max_rows` rows (at least one call); an
     operation left out waits at the front. A failing batch raises in each of its operations, not in the driver.
-    Speculative operations (trees drafted ahead) run only in steps no other operation waits for: they fill idle
-    time and never widen a batch that requests wait on; once decided, they end at the forward they wait for.
+    Background operations run only in steps no other operation waits for: they fill idle time and never widen a
+    batch that others wait on; cancelled ones end at the forward they wait for.
     """
 
     MAX_SKIPS = 16
@@ -196,10 +199,10 @@ class Lockstep:
         return len(self.waiting)
 
     def add(
-        self, steps: Steps, done: Callable[[Operation], None] = lambda op: None, speculative: Callable[[], bool] | None = None
+        self, steps: Steps, done: Callable[[Operation], None] = lambda op: None, priority: Callable[[], str] | None = None
     ) -> Operation:
         """Start an operation: it runs until its first forward (or to its end, calling `done`)."""
-        op = Operation(steps, done, speculative)
+        op = Operation(steps, done, priority)
         self._resume(op, None, None)
         return op
 
@@ -211,16 +214,16 @@ class Lockstep:
 
     def step(self) -> None:
         """One batch of one model over the calls waiting for it, then every served operation resumes."""
-        guesses = {id(op): op.speculative() for op in self.waiting if op.speculative is not None}
-        decided = [op for op in self.waiting if guesses.get(id(op)) is False]
-        if decided:  # their forwards would only delay what waits for them to end
-            self.waiting = [op for op in self.waiting if guesses.get(id(op)) is not False]
-            for op in decided:
-                self._resume(op, None, GuessDecided())
+        priorities = {id(op): op.priority() for op in self.waiting if op.priority is not None}
+        cancelled = [op for op in self.waiting if priorities.get(id(op)) == CANCELLED]
+        if cancelled:  # their forwards would only delay what waits for them to end
+            self.waiting = [op for op in self.waiting if priorities.get(id(op)) != CANCELLED]
+            for op in cancelled:
+                self._resume(op, None, Cancelled())
             if not self.waiting:
                 return
-        certain = [op for op in self.waiting if not guesses.get(id(op))]
-        ready = certain or self.waiting  # the guesses run when nothing else waits
+        foreground = [op for op in self.waiting if priorities.get(id(op), FOREGROUND) == FOREGROUND]
+        ready = foreground or self.waiting  # the background runs when nothing else waits
         key, asked = self._next(ready)
         chosen = {id(op) for op in ready}
         batch, rows, kept = [], 0, []
@@ -291,20 +294,20 @@ class Scheduler:
     def __init__(self, name: str, max_ops: int = 64, max_rows: int = MAX_BATCH_ROWS):
         self.max_ops = max_ops
         self.lockstep = Lockstep(max_rows, keep_forwards=True)  # each call reports the forwards it took part in
-        self._incoming: deque[tuple[Steps, Future, Callable[[], bool] | None]] = deque()
+        self._incoming: deque[tuple[Steps, Future, Callable[[], str] | None]] = deque()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, steps: Steps, speculative: Callable[[], bool] | None = None) -> "Future[Operation]":
-        """Submit one operation; `speculative` as in `Operation`."""
-        return self.submit_many([steps], speculative)[0]
+    def submit(self, steps: Steps, priority: Callable[[], str] | None = None) -> "Future[Operation]":
+        """Submit one operation; `priority` as in `Operation`."""
+        return self.submit_many([steps], priority)[0]
 
-    def submit_many(self, many: list[Steps], speculative: Callable[[], bool] | None = None) -> "list[Future[Operation]]":
+    def submit_many(self, many: list[Steps], priority: Callable[[], str] | None = None) -> "list[Future[Operation]]":
         """Submit operations together: they join the lockstep at the same step, so their first forwards batch."""
         futures: list[Future] = [Future() for _ in many]
         with self._cond:
-            self._incoming.extend((steps, future, speculative) for steps, future in zip(many, futures))
+            self._incoming.extend((steps, future, priority) for steps, future in zip(many, futures))
             self._cond.notify()
         return futures
 
@@ -316,8 +319,8 @@ class Scheduler:
             arrived = []
             while self._incoming and len(self.lockstep) + len(arrived) < self.max_ops:
                 arrived.append(self._incoming.popleft())
-        for steps, future, speculative in arrived:
-            self.lockstep.add(steps, lambda op, future=future: future.set_result(op), speculative)
+        for steps, future, priority in arrived:
+            self.lockstep.add(steps, lambda op, future=future: future.set_result(op), priority)
 
     def _loop(self) -> None:
         lockstep = self.lockstep
