@@ -29,7 +29,7 @@ from .server import DEFAULT_HOST
 from .worker import WorkerSpec
 
 
-MAX_DRAFT_AHEAD = 8  # trees a draft worker may pre-build per request and round
+MAX_DRAFT_AHEAD = 16  # trees a draft worker may pre-build per request and round
 
 
 class ConfigError(ValueError):
