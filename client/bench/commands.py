@@ -179,6 +179,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--vllm-k", type=int, help="vLLM EAGLE drafts per step (default: the last peers scan's best, else 3)")
     service.add_argument("--emulate", metavar="PROFILE", help="timed models of an emulated deployment instead of real ones, in process and in the workers: null, h200-1b, 70b-tp4 or a profile file (docs/emulation.md); every figure is then emulation")
     service.add_argument("--concurrency", type=row_counts, help="also n requests at once through the service against generate_batch of n, for each n of a list (e.g. 1,8,64)")
+    service.add_argument("--ahead-sweep", type=row_counts, help="instead of the comparison with the engine: for each number of trees drafted ahead (e.g. 1,2,4,8,16), the hit rate in the service and in process, and the service's tokens/s, one request at a time")
     service.add_argument("--pools", type=pool_sizes, help="instead of the comparison with the engine: throughput of --requests at once on services of each draft:target pool size (e.g. 1:1,1:2,2:1)")
     service.add_argument("--json", help="where the JSON record goes (default: stdout)")
     service.set_defaults(func=cmd_service)

@@ -247,6 +247,29 @@ def scaling(config: ServiceConfig, prompts: list[list[int]], args: argparse.Name
     return runs
 
 
+def ahead_sweep(config: ServiceConfig, make_engine, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    """For each number of trees drafted ahead: how often a round verified one (the hit rate), in the service and in
+    process, and the tokens/s of one request at a time through the service."""
+    sweep = []
+    for trees in args.ahead_sweep:
+        engine = make_engine(trees)
+        with Service(replace(config, draft_ahead=trees), port=0) as service, Client(service.address) as client:
+            client.generate(prompts[0], max_new_tokens=8)  # warm-up
+            started, rounds, hits, tokens = time.perf_counter(), 0, 0, 0
+            for prompt in prompts:
+                result = client.generate(prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+                rounds, hits, tokens = rounds + result.stats["rounds"], hits + result.stats["ahead_rounds"], tokens + len(result.token_ids)
+            wall = time.perf_counter() - started
+        local = [engine.generate(p, max_new_tokens=args.max_new_tokens, stop_at_eos=False).stats for p in prompts]
+        sweep.append({
+            "trees": trees,
+            "service_hit_rate": hits / rounds,
+            "service_tokens_per_s": tokens / wall,
+            "in_process_hit_rate": sum(g.ahead_rounds for g in local) / sum(g.rounds for g in local),
+        })
+    return sweep
+
+
 def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service`; returns its JSON record."""
     profile = load_profile(args.emulate) if args.emulate else None
@@ -261,13 +284,22 @@ def run(args: argparse.Namespace) -> dict:
     if profile is not None:
         print(f"EMULATION: timed models of profile {profile.name!r} ({profile.description}; docs/emulation.md)", file=sys.stderr)
         target = drafter = f"emulated: {profile.name}"
-        emulated = lambda ahead: Engine.emulated(profile, tree=config.tree, kv_slots=slots, draft_ahead=ahead)
-        engine, ahead_off = emulated(args.draft_ahead), emulated(0) if args.draft_ahead else None
+        make_engine = lambda ahead: Engine.emulated(profile, tree=config.tree, kv_slots=slots, draft_ahead=ahead)
     else:
         target, drafter = config.models()
-        engine = Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=args.draft_ahead)
-        ahead_off = Engine.from_pretrained(target, drafter, tree=config.tree) if args.draft_ahead else None
+        make_engine = lambda ahead: Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=ahead)
+    engine = make_engine(args.draft_ahead)
+    ahead_off = make_engine(0) if args.draft_ahead else None
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
+    if args.ahead_sweep:  # the hit rate against the number of trees drafted ahead only
+        return {
+            "emulation": profile.summary() if profile is not None else None,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+            "requests": args.requests,
+            "max_new_tokens": args.max_new_tokens,
+            "ahead_sweep": ahead_sweep(config, make_engine, prompts, args),
+        }
     if args.pools:  # throughput against pool sizes only, at a fixed offered load
         return {
             "emulation": profile.summary() if profile is not None else None,
