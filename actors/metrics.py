@@ -66,6 +66,7 @@ class ServiceMetrics:
         self._recent: deque[tuple[float, int, str]] = deque()
         self._recent_tokens: dict[str, int] = {}  # label -> tokens of the rounds in `_recent` (every label seen: 0 when none)
         self._lock = threading.Lock()
+        self._children: dict[tuple[int, str], object] = {}  # (metric, label) -> its labelled child
         self._server = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -84,29 +85,33 @@ class ServiceMetrics:
         tree, decision = record.tree, record.decision
         accepted = set(decision.accepted_rows)
         probs = tree.draft_probs.tolist()
+        offered: dict[str, int] = {}
+        taken: dict[str, int] = {}
         for row, parent in enumerate(tree.parents.tolist()):
             if row and parent in accepted:
                 bucket = str(next(b for b in CONFIDENCE_BUCKETS if probs[row] <= b + 1e-12))
-                self.confidence_nodes.labels(bucket).inc()
-                if row in accepted:
-                    self.confidence_accepted.labels(bucket).inc()
+                offered[bucket] = offered.get(bucket, 0) + 1
+                taken[bucket] = taken.get(bucket, 0) + (row in accepted)
+        for bucket, count in offered.items():
+            self._child(self.confidence_nodes, bucket).inc(count)
+            self._child(self.confidence_accepted, bucket).inc(taken[bucket])
         for stage, count in (
             ("expanded", record.nodes_expanded),
             ("recorded", record.nodes_recorded),
             ("retained", tree.num_rows - 1),
             ("verified", tree.num_rows),
         ):
-            self.tree_nodes.labels(stage).inc(count)
+            self._child(self.tree_nodes, stage).inc(count)
         self.accepted_length.observe(decision.num_accepted)
-        self.rounds.labels("hit" if record.pre_built else "fresh").inc()
+        self._child(self.rounds, "hit" if record.pre_built else "fresh").inc()
         for phase, seconds in {**record.seconds, **service_seconds}.items():
-            self.phase_seconds.labels(phase).observe(seconds)
-        self.temporary_kv.labels("draft").observe(record.draft_kv_bytes)
-        self.temporary_kv.labels("target").observe(record.target_kv_bytes)
+            self._child(self.phase_seconds, phase).observe(seconds)
+        self._child(self.temporary_kv, "draft").observe(record.draft_kv_bytes)
+        self._child(self.temporary_kv, "target").observe(record.target_kv_bytes)
         if record.experts:
             self.experts.observe(len(record.experts))
         label = batch_label(active)
-        self.tokens.labels(label).inc(len(record.emitted))
+        self._child(self.tokens, label).inc(len(record.emitted))
         now = self._clock()
         with self._lock:
             self._recent.append((now, len(record.emitted), label))
@@ -116,7 +121,14 @@ class ServiceMetrics:
                 self._recent_tokens[lab] -= n  # a label with no round left in the window drops to 0
             window = max(1e-9, min(60.0, now - self._recent[0][0])) if len(self._recent) > 1 else 60.0
             for lab, n in self._recent_tokens.items():  # running sums: a round costs O(labels), not O(window)
-                self.throughput.labels(lab).set(n / window)
+                self._child(self.throughput, lab).set(n / window)
+
+    def _child(self, metric, label: str):
+        """`metric.labels(label)`, kept: a round touches a few dozen of them."""
+        child = self._children.get((id(metric), label))
+        if child is None:
+            child = self._children[(id(metric), label)] = metric.labels(label)
+        return child
 
     def observe_request(self, seconds: float, active: int) -> None:
         self.latency.labels(batch_label(active)).observe(seconds)

@@ -605,8 +605,8 @@ class DraftSession:
         base = self.written
         visible = torch.zeros(len(tokens), base + len(tokens), dtype=torch.bool)
         visible[:, : self.committed] = True
-        for i, rows in enumerate(ancestors):
-            visible[i, rows + [base + i]] = True
+        seen = [(i, row) for i, rows in enumerate(ancestors) for row in (*rows, base + i)]  # each row's path, itself last
+        visible[tuple(torch.tensor(seen).t())] = True
         return (yield from self._run(RowsCall(self.slot, base, torch.tensor(tokens), torch.tensor(positions), visible, hidden, top_k)))
 
     def _run(self, call: RowsCall) -> Steps[DraftRows]:

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import renamed
@@ -235,7 +236,10 @@ class FlattenedTree:
 
 def ancestry_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children)."""
-    return torch.tensor(ancestry(parents), dtype=torch.bool).reshape(len(parents), len(parents))
+    mask = np.eye(len(parents), dtype=np.bool_)
+    for i, p in enumerate(parents[1:], 1):
+        mask[i] |= mask[p]  # a parent's row is complete before its children's
+    return torch.from_numpy(mask)
 
 
 def retrieve_paths(parents: list[int]) -> torch.Tensor:

@@ -163,7 +163,7 @@ def check_tree(
         raise TreeError("prefix_len", f"tree built on prefix {tree.prefix_len}, committed prefix is {prefix}")
     if tree.positions != [prefix + d for d in expected_depths]:
         raise TreeError("positions", f"positions must equal prefix length {prefix} plus depth")
-    if [[bool(x) for x in row] for row in tree.mask] != ancestry(parents):
+    if tree.mask != ancestry(parents):  # bools compare equal to the 0/1 a mask may hold
         raise TreeError("mask", "mask is not the ancestry closure of parents")
     if any(not math.isfinite(p) or not 0.0 <= p <= 1.0 for p in tree.draft_probs):
         raise TreeError("draft_probs", "draft probabilities must be finite and in [0, 1]")
