@@ -38,6 +38,7 @@ from eyas.v1 import tensor_pb2 as tpb
 from .errors import STATUS_CODES, ServiceError
 from .limits import MAX_ID_BYTES, MAX_ROUND_ID_BYTES
 from .server import CHANNEL_OPTIONS, Clock
+from .streams import BatchStream, StreamEnded
 from .worker import Served, Worker
 
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -80,7 +81,8 @@ class DraftWorker(Worker):
     def __init__(self, spec):
         super().__init__(spec)
         self.relayed: dict[str, Relayed] = {}  # request id -> the last verification relayed for it
-        self._targets: dict[str, grpc.aio.Channel] = {}  # target address -> a channel to it
+        self._targets: dict[str, grpc.aio.Channel] = {}  # target address -> a channel to it (prefills)
+        self._streams: dict[str, BatchStream] = {}  # target address -> the stream its Verify batches go on
         self._credential = call_metadata(spec.token)
 
     def forget(self, request_id: str) -> None:
@@ -260,19 +262,18 @@ class DraftWorker(Worker):
         await asyncio.gather(*(self._verify_at(address, calls) for address, calls in targets.items()))
 
     async def _verify_at(self, address: str, calls: list[Served]) -> None:
-        batch = pb.CallBatch(method="Verify", calls=[call.reply.verify_request for call in calls]).SerializeToString()
+        batch = pb.CallBatch(method="Verify", calls=[call.reply.verify_request for call in calls])
+        if address not in self._streams:
+            self._streams[address] = BatchStream(address, pb.DESCRIPTOR.services_by_name["TargetWorker"].full_name, self._credential)
         try:
-            raw = await self._target(address, "Batch")(batch, timeout=self.spec.rpc_timeout_s, metadata=self._credential)
-            results = pb.CallBatchReply.FromString(raw).results
-            if len(results) != len(calls):
-                raise wire.WireError("results", f"{len(results)} results for {len(calls)} calls")
-        except grpc.RpcError as exc:
+            results = (await self._streams[address].call(batch, self.spec.rpc_timeout_s)).results
+        except StreamEnded as ended:
             for call in calls:
-                call.fail(ServiceError(exc.code(), "target", f"the target worker at {address}: {exc.details()}"))
+                call.fail(ServiceError(ended.code, target_field(ended.field), f"the target worker at {address}: {ended.details}"))
             return
-        except (DecodeError, wire.WireError) as exc:
+        if len(results) != len(calls):
             for call in calls:
-                call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target", f"the target worker at {address} answered no CallBatchReply: {exc}"))
+                call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target.results", f"{len(results)} results for {len(calls)} calls from {address}"))
             return
         for call, result in zip(calls, results):
             call.clock.skip()  # the wait on the target: its own phases come back in the reply

@@ -35,6 +35,7 @@ from eyas.v1 import tensor_pb2 as tpb
 
 from .errors import STATUS_CODES
 from .server import CHANNEL_OPTIONS, PHASES, parse_timing
+from .streams import BatchStream, StreamEnded
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -147,7 +148,7 @@ class WorkerClient:
         self.service = pb.DESCRIPTOR.services_by_name["DraftWorker" if role == "draft" else "TargetWorker"].full_name
         self._metadata = call_metadata(token)
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._aio: tuple[grpc.aio.Channel, asyncio.AbstractEventLoop] | None = None  # a channel of the coordinator's loop
+        self._stream: tuple[BatchStream, asyncio.AbstractEventLoop] | None = None  # opened on the coordinator's loop
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._guard = threading.Lock()
         self._in_flight = 0
@@ -168,9 +169,9 @@ class WorkerClient:
 
     def _close_channels(self) -> None:
         self._channel.close()
-        if self._aio is not None:
-            channel, loop = self._aio
-            asyncio.run_coroutine_threadsafe(channel.close(), loop)
+        if self._stream is not None:
+            stream, loop = self._stream
+            asyncio.run_coroutine_threadsafe(stream.close(), loop)
 
     def _invoke(self, method: str, data: bytes, with_call: bool = False):
         """One unary call on the shared channel, which stays open until the call returns."""
@@ -223,43 +224,44 @@ class WorkerClient:
         batch, builds = self._batch(calls)
         t1 = time.perf_counter()
         try:
-            raw = self._invoke("Batch", batch)
+            raw = self._invoke("Batch", batch.SerializeToString())
+            reply = pb.CallBatchReply.FromString(raw)
         except grpc.RpcError as error:
             return self._fail(calls, builds, self._translate(error), time.perf_counter() - t1)
-        return self._outcomes(calls, builds, raw, time.perf_counter() - t1)
+        except DecodeError as exc:
+            return self._fail(calls, builds, wire.WireError("results", f"not a CallBatchReply: {exc}"), time.perf_counter() - t1)
+        return self._outcomes(calls, builds, reply, time.perf_counter() - t1)
 
     async def run_each_async(self, calls: list[RemoteCall]) -> list:
-        """`run_each` on the running event loop: the Batch call waits there, no thread does."""
+        """`run_each` on the running event loop, over the worker's `Stream` (`actors.streams`): no thread waits on the
+        wire, and no call is set up anew."""
         batch, builds = self._batch(calls)
         t1 = time.perf_counter()
         self._enter()
         try:
-            if self._aio is None:  # made on the loop it serves
-                self._aio = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS), asyncio.get_running_loop()
-            raw = await self._aio[0].unary_unary(f"/{self.service}/Batch")(batch, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            return self._fail(calls, builds, self._translate(error), time.perf_counter() - t1)
+            if self._stream is None:  # opened on the loop it serves
+                self._stream = BatchStream(self.address, self.service, self._metadata), asyncio.get_running_loop()
+            reply = await self._stream[0].call(batch, self.timeout)
+        except StreamEnded as ended:
+            return self._fail(calls, builds, refusal(self, ended.code, ended.field, ended.details), time.perf_counter() - t1)
         finally:
             self._leave()
-        return self._outcomes(calls, builds, raw, time.perf_counter() - t1)
+        return self._outcomes(calls, builds, reply, time.perf_counter() - t1)
 
     @staticmethod
-    def _batch(calls: list[RemoteCall]) -> tuple[bytes, list[float]]:
-        """The calls as one CallBatch's bytes, and the seconds each took to build."""
+    def _batch(calls: list[RemoteCall]) -> tuple[pb.CallBatch, list[float]]:
+        """The calls as one CallBatch, and the seconds each took to build."""
         t0 = time.perf_counter()
         data, built = [], []
         for call in calls:
             data.append(call.build().SerializeToString())
             built.append(time.perf_counter())
         builds = [b - a for a, b in zip([t0, *built[:-1]], built)]
-        return pb.CallBatch(method=calls[0].method, calls=data).SerializeToString(), builds
+        return pb.CallBatch(method=calls[0].method, calls=data), builds
 
-    def _outcomes(self, calls: list[RemoteCall], builds: list[float], raw: bytes, wall: float) -> list:
-        """Each call's parsed reply or exception from a CallBatchReply's bytes, charging each call's time."""
-        try:
-            results = pb.CallBatchReply.FromString(raw).results
-        except DecodeError as exc:
-            return self._fail(calls, builds, wire.WireError("results", f"not a CallBatchReply: {exc}"), wall)
+    def _outcomes(self, calls: list[RemoteCall], builds: list[float], reply: pb.CallBatchReply, wall: float) -> list:
+        """Each call's parsed reply or exception from a CallBatchReply, charging each call's time."""
+        results = reply.results
         if len(results) != len(calls):
             return self._fail(calls, builds, wire.WireError("results", f"{len(results)} results for {len(calls)} calls"), wall)
         outcomes = []

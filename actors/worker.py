@@ -204,7 +204,9 @@ class Worker:
             raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
         endpoints = {**self.endpoints(), "Release": (pb.Release, self.release), "Costs": (pb.CostsRequest, self.costs)}
         methods = {name: self._unary(name, *endpoint) for name, endpoint in endpoints.items()}
-        methods["Batch"] = self._batch({name: endpoints[name] for name in self.batched})
+        round_endpoints = {name: endpoints[name] for name in self.batched}
+        methods["Batch"] = self._batch(round_endpoints)
+        methods["Stream"] = self._stream(round_endpoints)
         methods["Health"] = grpc.unary_unary_rpc_method_handler(self._health)
         full_name = pb.DESCRIPTOR.services_by_name[self.service].full_name
         handler = grpc.method_handlers_generic_handler(full_name, methods)
@@ -242,31 +244,57 @@ class Worker:
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                try:
-                    batch = pb.CallBatch.FromString(raw)
-                except DecodeError as exc:
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a CallBatch: {exc}")
-                if batch.method not in endpoints:
-                    raise ServiceError(
-                        grpc.StatusCode.INVALID_ARGUMENT, "method", f"{batch.method!r} is not one of {sorted(endpoints)}"
-                    )
-                served = await self._serve(batch.method, *endpoints[batch.method], list(batch.calls))
+                return (await self._answer(endpoints, raw)).SerializeToString()
             except Exception as exc:
                 await abort(context, exc)
-            results = []
-            for call in served:
-                timing = {
-                    "seconds": [call.clock.seconds[p] for p in PHASES],
-                    "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in call.forwards],
-                }
-                if call.error is None:
-                    results.append(pb.CallResult(code=0, reply=call.data, **timing))
-                else:
-                    code, field, details = status_of(call.error)
-                    results.append(pb.CallResult(code=code.value[0], field=field, details=details, **timing))
-            return pb.CallBatchReply(results=results).SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(handle)
+
+    def _stream(self, endpoints: dict[str, tuple[type[Message], Callable]]) -> grpc.RpcMethodHandler:
+        """The `Stream` handler: Batch calls over one long-lived stream, each served as it arrives (beside the ones in
+        flight) and answered, in whatever order they end, with its id. A message that is not a batch of a round
+        endpoint ends the stream with its refusal."""
+
+        async def handle(requests, context: grpc.aio.ServicerContext) -> None:
+            writing, answers = asyncio.Lock(), set()
+
+            async def answer(raw: bytes) -> None:
+                reply = await self._answer(endpoints, raw)
+                async with writing:
+                    await context.write(reply.SerializeToString())
+
+            try:
+                async for raw in requests:
+                    task = asyncio.ensure_future(answer(raw))
+                    answers.add(task)
+                    task.add_done_callback(answers.discard)
+                await asyncio.gather(*answers)
+            except Exception as exc:
+                await abort(context, exc)
+
+        return grpc.stream_stream_rpc_method_handler(handle)
+
+    async def _answer(self, endpoints: dict[str, tuple[type[Message], Callable]], raw: bytes) -> pb.CallBatchReply:
+        """A CallBatch's reply: each call's own result (status, reply, phase seconds, forwards); raises for a message
+        that is not a batch of one of `endpoints`."""
+        try:
+            batch = pb.CallBatch.FromString(raw)
+        except DecodeError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a CallBatch: {exc}")
+        if batch.method not in endpoints:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "method", f"{batch.method!r} is not one of {sorted(endpoints)}")
+        results = []
+        for call in await self._serve(batch.method, *endpoints[batch.method], list(batch.calls)):
+            timing = {
+                "seconds": [call.clock.seconds[p] for p in PHASES],
+                "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in call.forwards],
+            }
+            if call.error is None:
+                results.append(pb.CallResult(code=0, reply=call.data, **timing))
+            else:
+                code, field, details = status_of(call.error)
+                results.append(pb.CallResult(code=code.value[0], field=field, details=details, **timing))
+        return pb.CallBatchReply(results=results, id=batch.id)
 
     async def _serve(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
         """Serve calls of `method` (`_serve_calls`), finish those that need another worker (`relay`), and encode

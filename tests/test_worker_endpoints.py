@@ -7,6 +7,7 @@ messages are fired at a known state, then each request finishes: its output must
 token for token. Workers take calls only with their service's credential (KEY here), even on loopback.
 """
 
+import asyncio
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +22,7 @@ from eyas.actors.config import PoolConfig
 from eyas.actors.draft_worker import DraftWorker
 from eyas.actors.proxy import CallTiming, RemoteCall, RemoteRequest, WorkerClient
 from eyas.actors.routing import PoolError
+from eyas.actors.streams import BatchStream
 from eyas.actors.target_worker import TargetWorker
 from eyas.actors.worker import WorkerSpec
 from eyas.cluster.pools import Pool
@@ -448,6 +450,35 @@ def test_a_start_names_the_target_that_prefills_and_a_bad_one_leaves_no_session(
     pair.release("draft")
     pair.release("target")
     assert request.output == expected_output(workers)
+
+
+def test_batches_on_a_stream_are_answered_by_id_and_a_bad_message_ends_only_its_stream(workers):
+    """Round calls travel on one long-lived Stream per worker: two batches in flight at once get their own replies;
+    a message that is no batch ends its stream with the refusal naming `message`, and the next call opens a new one."""
+    target = workers["target"]
+    first, second = TargetOnly(workers, "stream-1"), TargetOnly(workers, "stream-2")
+    trees = first.tree(), second.tree()
+
+    async def exchange() -> tuple:
+        stream = BatchStream(target.address, target.service, ((TOKEN_KEY, KEY),))
+        batches = [pb.CallBatch(method="Verify", calls=[p.verify_msg(t, "good").SerializeToString()]) for p, t in zip((first, second), trees)]
+        replies = await asyncio.gather(*(stream.call(b, 30) for b in batches))
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            bad = channel.stream_stream(f"/{target.service}/Stream")(metadata=((TOKEN_KEY, KEY),))
+            await bad.write(b"\xff\xff")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await bad.read()
+        again = await stream.call(pb.CallBatch(method="Verify"), 30)
+        await stream.close()
+        return replies, err.value, again
+
+    replies, refusal, again = asyncio.run(exchange())
+    assert [r.id for r in replies] == [1, 2] and [len(r.results) for r in replies] == [1, 1]
+    for probe, tree, reply in zip((first, second), trees, replies):
+        probe.check(pb.Verification.FromString(reply.results[0].reply), tree, "good")
+        call(target, "Release", pb.Release(ref=probe.ref()))
+    assert refusal.code() == INVALID and field_of(refusal.trailing_metadata()) == "message"
+    assert again.id == 3 and list(again.results) == []
 
 
 def test_released_requests_leave_no_session_and_no_kv(workers):

@@ -316,12 +316,14 @@ class WorkerHealth(_message.Message):
     def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class CallBatch(_message.Message):
-    __slots__ = ("method", "calls")
+    __slots__ = ("method", "calls", "id")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     method: str
     calls: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, method: _Optional[str] = ..., calls: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    id: int
+    def __init__(self, method: _Optional[str] = ..., calls: _Optional[_Iterable[bytes]] = ..., id: _Optional[int] = ...) -> None: ...
 
 class CallResult(_message.Message):
     __slots__ = ("code", "field", "details", "reply", "seconds", "forwards", "role")
@@ -350,7 +352,9 @@ class ForwardCost(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CallBatchReply(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "id")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[CallResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ...) -> None: ...
+    id: int
+    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ..., id: _Optional[int] = ...) -> None: ...

@@ -50,6 +50,11 @@ class DraftWorkerStub:
                 request_serializer=eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/eyas.v1.DraftWorker/Stream',
+                request_serializer=eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
+                _registered_method=True)
         self.Reseed = channel.unary_unary(
                 '/eyas.v1.DraftWorker/Reseed',
                 request_serializer=eyas_dot_v1_dot_round__pb2.Reseed.SerializeToString,
@@ -94,6 +99,12 @@ class DraftWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reseed(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -133,6 +144,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.CallBatch.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
                     request_deserializer=eyas_dot_v1_dot_round__pb2.CallBatch.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.SerializeToString,
             ),
@@ -237,6 +253,33 @@ class DraftWorker:
             request,
             target,
             '/eyas.v1.DraftWorker/Batch',
+            eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/eyas.v1.DraftWorker/Stream',
             eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
             eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
             options,
@@ -382,6 +425,11 @@ class TargetWorkerStub:
                 request_serializer=eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
                 response_deserializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/eyas.v1.TargetWorker/Stream',
+                request_serializer=eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+                response_deserializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/eyas.v1.TargetWorker/Commit',
                 request_serializer=eyas_dot_v1_dot_round__pb2.Commit.SerializeToString,
@@ -420,6 +468,12 @@ class TargetWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Batch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -464,6 +518,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
+                    request_deserializer=eyas_dot_v1_dot_round__pb2.CallBatch.FromString,
+                    response_serializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
                     request_deserializer=eyas_dot_v1_dot_round__pb2.CallBatch.FromString,
                     response_serializer=eyas_dot_v1_dot_round__pb2.CallBatchReply.SerializeToString,
             ),
@@ -567,6 +626,33 @@ class TargetWorker:
             request,
             target,
             '/eyas.v1.TargetWorker/Batch',
+            eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
+            eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/eyas.v1.TargetWorker/Stream',
             eyas_dot_v1_dot_round__pb2.CallBatch.SerializeToString,
             eyas_dot_v1_dot_round__pb2.CallBatchReply.FromString,
             options,
