@@ -20,8 +20,8 @@ MIN_OBSERVED = 8  # forwards of a model before its scale moves from 1
 
 
 def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of y over x, both nonnegative: least squares through the median y of each x, so that the
-    odd slow round (a warm-up, a batch-mate's prefill) does not move it; a flat line where x does not vary."""
+    """(intercept, slope) of y over x, both nonnegative: least squares through the median y of each x (flat where x
+    does not vary), so an odd slow round does not move it."""
     by_x: dict[float, list[float]] = {}
     for x, y in samples:
         by_x.setdefault(x, []).append(y)
@@ -38,23 +38,23 @@ def fit_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float | np.ndarray) -> float | np.ndarray:
-    """Piecewise-linear through measured points, flat before the first one and extended linearly past the last one;
-    at a number, or at every element of an array (a choice prices the whole grid at once)."""
+    """Piecewise-linear through measured points, flat before the first, extended linearly past the last; at a number
+    or elementwise on an array."""
     past = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
     if isinstance(x, np.ndarray):
         return np.where(x > xs[-1], past, np.interp(x, xs, ys))
-    return past if x > xs[-1] else float(np.interp(x, xs, ys))  # a Python float: forwards are fed back one by one
+    return past if x > xs[-1] else float(np.interp(x, xs, ys))
 
 
 def _positive(x: float | np.ndarray) -> float | np.ndarray:
-    """max(0, x), elementwise on an array (a number stays a Python float: a round's own price is asked every round)."""
+    """max(0, x), elementwise on an array; a number stays a Python float."""
     return np.maximum(0.0, x) if isinstance(x, np.ndarray) else max(0.0, x)
 
 
 @dataclass
 class Costs:
-    """Seconds per target verification by rows, per drafter step by rows, and outside the models: tree bookkeeping
-    per depth, and the rest of a round per round and per verified row (deciding a tree costs by its rows)."""
+    """Seconds per verification and per drafter step by rows (measured, then scaled by what rounds' forwards took),
+    and outside the models: bookkeeping per level, per round and per verified row, alone and per concurrency."""
 
     verify_rows: list[int]
     verify_seconds: list[float]
@@ -70,7 +70,7 @@ class Costs:
     point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
     scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of all its ratios
     scaled: dict[str, list[float]] = field(default_factory=dict)  # "verify" / "draft" -> its curve, each point scaled
-    # (kind, rows) -> seconds, until the next observed forward: a choice prices a few dozen row counts, many times each
+    # (kind, rows) -> seconds, until the next observed forward
     _at: dict[tuple[str, float], float] = field(default_factory=dict, repr=False, compare=False)
 
     def verify_at(self, rows: float) -> float:
@@ -82,8 +82,7 @@ class Costs:
         return self._curve_at("draft", rows)
 
     def _curve_at(self, kind: str, rows: float | np.ndarray) -> float | np.ndarray:
-        """`kind`'s scaled curve ("verify" or "draft") at `rows`: at a row count computed once between observed
-        forwards, at an array of them (a choice's whole grid) at once."""
+        """`kind`'s scaled curve ("verify" or "draft") at `rows`, a number (cached) or an array."""
         key = None if isinstance(rows, np.ndarray) else (kind, rows)
         if key not in self._at:
             xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
@@ -94,10 +93,8 @@ class Costs:
         return self._at[key]
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
-        """Fold in one forward a round ran: `kind` "verify" (the target) or "draft", over `rows` rows in `seconds`.
-        Its ratio to the measured curve counts for the whole curve and for the measured point nearest its rows: a
-        point with MIN_OBSERVED ratios of its own is scaled by their median, every other point by the median of all
-        (after MIN_OBSERVED forwards). Forwards past the measured rows (a prefill) are left out."""
+        """Fold in one forward of `kind` ("verify" or "draft") over `rows` rows that took `seconds`: its ratio to the
+        curve scales the point nearest its rows and the whole curve (medians; prefills past the curve left out)."""
         xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
         if not 0 < rows <= xs[-1]:
             return
@@ -115,10 +112,8 @@ class Costs:
             self.scaled[kind] = [y * self.point_scales.get((kind, i), overall) for i, y in enumerate(ys)]
 
     def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, levels: float | None = None) -> float:
-        """Drafter steps (seed rows, then one step of width rows per further level), each one forward over the rows
-        of `concurrent` requests; `levels` drafted (default the policy's depth, which a policy that stops may not
-        reach). Here and in `model_seconds` and `round_seconds`, `policy` may also be `grid_arrays()`, with arrays
-        for the seed rows and the shape: every grid policy's seconds at once."""
+        """The drafter's forwards for `levels` levels (default the depth) of `concurrent` requests: the seed rows, then
+        width rows a level. Here and below `policy` may be `grid_arrays()`, with arrays for the rest: the whole grid."""
         levels = policy.depth if levels is None else levels
         n = concurrent
         drafting = self.draft_at(n * seed_rows) + _positive(levels - 1) * self.draft_at(n * policy.width)
@@ -130,41 +125,30 @@ class Costs:
         return self.draft_seconds_for(policy, seed_rows, concurrent, levels) + self.verify_at(concurrent * rows)
 
     def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
-        """Predicted wall time of one round under `policy` after a round that committed `seed_rows` tokens, with
-        `concurrent` requests stepping together: the forwards, each request's bookkeeping per level and per verified
-        row (they take turns at it), what each drafting level costs the lockstep (`lockstep_at`), and the round's own
-        bookkeeping at that concurrency (`per_round_at`). `shape`: the levels drafted and rows verified, where they
-        are not the policy's depth and budget + 1 (a policy that stops). Never less than the model forwards alone."""
+        """Predicted seconds of a round of `policy` after one that committed `seed_rows`, `concurrent` requests stepping
+        together: forwards plus bookkeeping, never less than the forwards. `shape`: (levels, rows) where not full."""
         levels, rows = shape or full_shape(policy)
         model = self.model_seconds(policy, seed_rows, concurrent, (levels, rows))
         return model + _positive(self.levels_and_rows(levels, rows, concurrent) + self.per_round_at(concurrent))
 
     def levels_and_rows(self, levels: float | np.ndarray, rows: float | np.ndarray, concurrent: int) -> float | np.ndarray:
-        """What a round's levels and verified rows cost beyond the forwards: each of `concurrent` requests'
-        bookkeeping per level and per verified row (they take turns at it), and each level's lockstep cost."""
+        """Bookkeeping of `concurrent` requests' levels and verified rows, plus each level's lockstep cost."""
         per_request = levels * self.overhead_per_depth + rows * self.overhead_per_row
         return concurrent * per_request + levels * self.lockstep_at(concurrent)
 
     def lockstep_at(self, concurrent: int) -> float:
-        """Extra seconds per drafting level when `concurrent` requests step together: as measured at that concurrency,
-        else interpolated between the nearest measured ones (none extra for a lone request), and past the largest in
-        proportion to the requests. A batch's tail runs ever fewer requests as they finish, each count for a few
-        rounds only; priced at 0 there, they would draft as deep as a lone request."""
+        """Extra seconds per drafting level when `concurrent` requests step together (`by_concurrency`)."""
         return by_concurrency(self.lockstep_per_level, concurrent)
 
     def per_round_at(self, concurrent: int) -> float:
-        """A round's own bookkeeping (beyond its levels' and verified rows') when `concurrent` requests step
-        together: a lone round's fitted `overhead_per_round`; beside batch-mates, as measured at that concurrency
-        (`TreeTuner._measure_round`), else between the nearest measured ones and a lone round's, and before any is
-        measured, a lone round's times the requests. Measured whole, not as a correction to n lone copies: a lone
-        round's fit moves with every lone round, and n copies of its noise would move the batch's price with it."""
+        """A round's own bookkeeping beyond its levels and rows when `concurrent` requests step together
+        (`by_concurrency` from a lone round's `overhead_per_round`)."""
         return by_concurrency(self.round_at_concurrency, concurrent, self.overhead_per_round)
 
 
 def by_concurrency(measured: dict[int, float], concurrent: int, alone: float = 0.0) -> float:
-    """A cost measured at some concurrencies, at `concurrent`: `alone` for a lone request, the measured value, else
-    linear between the nearest measured ones and (1, `alone`), and past the largest (or with none measured, past 1) in
-    proportion to the requests."""
+    """A cost measured at some concurrencies, at `concurrent`: `alone` at 1, linear between the nearest measured
+    points and (1, `alone`), proportional to the requests past the largest."""
     if concurrent <= 1:
         return alone
     if concurrent in measured:

@@ -15,9 +15,8 @@ LEVEL_PRIOR = 8.0  # pseudo-trials at the predicted rate that hold each level's 
 
 
 class Explored:
-    """The last `size` explored rounds of one of EXPLORATIONS and, for every policy scored so far, its
-    total expected tokens per round over them, kept up to date as rounds come and go: scoring the grid again after
-    each new round costs one replay of that round, not one of every round."""
+    """The last `size` rounds of one of EXPLORATIONS, with every scored policy's sums over them kept up to date as
+    rounds come and go (a new round costs one replay)."""
 
     def __init__(self, size: int = 32):
         self.size = size
@@ -25,8 +24,7 @@ class Explored:
         # policy -> sum and sum of squares of its tokens, and the sum of its accepted nodes at each depth
         self._sums: dict[TreePolicy, tuple[float, float, list[float]]] = {}
         self._levels: dict[TreePolicy, list[tuple[float, float]]] = {}  # policy -> its mean `Replay.levels`
-        # policy -> `tokens(policy, factors)` for the factors in `_tokens_for` (a choice asks for all of them, and the
-        # rounds and factors change far less often than choices are made)
+        # policy -> `tokens(policy, factors)` for the factors in `_tokens_for`
         self._tokens: dict[TreePolicy, tuple[float, float]] = {}
         self._tokens_for: tuple[float, ...] | None = None
 
@@ -49,9 +47,8 @@ class Explored:
             self._sums[policy] = (total + sign * x, squares + sign * x * x, depths)
 
     def tokens(self, policy: TreePolicy, factors: list[float] | None = None) -> tuple[float, float]:
-        """(mean, variance of that mean) of the tokens per round `policy` would have committed on these rounds. With
-        `factors` [D], its accepted nodes at depth k count `factors[k - 1]` each (`LevelCorrection`); the variance is
-        that of the rounds as recorded."""
+        """(mean, variance of the mean) of the tokens per round `policy` would have committed here; with `factors` [D]
+        an accepted node at depth k counts `factors[k - 1]` (`LevelCorrection`)."""
         key = None if factors is None else tuple(factors)
         if key != self._tokens_for:
             self._tokens.clear()
@@ -61,16 +58,14 @@ class Explored:
         return self._tokens[policy]
 
     def means(self, policies: list[TreePolicy], factors: list[float] | None = None) -> np.ndarray:
-        """[P] the mean of `tokens` of each of `policies`, at once (`tokens` asks for one): a choice asks for the
-        whole grid, and after each level correction the cache of `tokens` is cold (one policy at a time, that took
-        8-13 ms, once in 4 steps of a batch of 8 on the 2-core machine)."""
+        """[P] the mean of `tokens` of each of `policies`, at once."""
         sums = [self._sums_of(policy) for policy in policies]
         n = len(self.replays)
         if factors is None:
             return np.array([total for total, _, _ in sums]) / n
         depths = np.array([d for _, _, d in sums]).reshape(len(sums), -1)  # [P, D]
         accepted = np.zeros(len(sums))
-        for k, factor in enumerate(factors[: depths.shape[1]]):  # depth by depth: a policy's mean whatever its batch
+        for k, factor in enumerate(factors[: depths.shape[1]]):  # depth by depth: the same sums as one policy's
             accepted = accepted + factor * depths[:, k]
         return 1.0 + accepted / n
 
@@ -100,9 +95,8 @@ class Explored:
 
 
 def lockstep_shape(draws: list[tuple[int, int, float]], concurrent: int) -> Shape:
-    """From weighted draws (levels drafted, rows verified, weight) of one request's rounds: the levels of the deepest
-    of `concurrent` requests drafting together (their levels run in lockstep), each drawing from them, and the mean
-    rows one request verifies."""
+    """From weighted draws (levels, rows, weight) of one request's rounds: the expected levels of the deepest of
+    `concurrent` requests drafting in lockstep, and the mean rows one verifies."""
     total = sum(weight for _, _, weight in draws)
     by_level: dict[int, float] = {}
     for levels, _, weight in draws:
@@ -116,21 +110,11 @@ def lockstep_shape(draws: list[tuple[int, int, float]], concurrent: int) -> Shap
 
 
 class LevelCorrection:
-    """How much more or less often the target accepts a node at each depth in the rounds being run than in the rounds
-    explored, measured like for like on chosen rounds.
-
-    The explored rounds are few, and the first ones are one prompt's opening, so their acceptance can be far from
-    that of the text being decoded, the more so the deeper a policy drafts (each level's error multiplies). A chosen
-    round is a direct sample: at each depth k, whether its accepted path reached a node at depth k - 1 with a verified
-    child, and whether it went on to depth k. Set beside what the explored rounds predict of the same policy
-    (`Explored.levels`), the recent chosen rounds give at each depth k the ratio C_k of the acceptance seen to that
-    predicted, and every policy's accepted nodes at depth k then count C_1 x ... x C_k each (`Explored.tokens`). Both
-    sides count the policy's own tree: a fixed depth that ends a path whatever it accepts, a floor that stops where
-    the drafter is unsure, a budget that leaves a node's children unverified.
-    """
+    """Per depth k, the ratio C_k of the acceptance chosen rounds saw to what the explored rounds predicted for the
+    same policy; an accepted node at depth k then counts C_1 x ... x C_k (docs/autotree.md)."""
 
     def __init__(self, size: int = 256):
-        """`size`: the rounds kept at each depth, the latest that could reach it (deep ones are rarer than shallow)."""
+        """`size`: the latest rounds kept at each depth, of those that could reach it."""
         # per depth: (reached, accepted) as run and as predicted, for the latest rounds either side says may reach it
         self.depths: list[deque[tuple[float, float, float, float]]] = [deque(maxlen=size) for _ in range(EXPLORE.depth)]
 
@@ -141,8 +125,8 @@ class LevelCorrection:
                 kept.append((reached, accepted, predicted_reached, predicted_accepted))
 
     def factors(self) -> list[float]:
-        """[D] the weight of an accepted node at depth 1 .. D: the product of the corrections C_1 .. C_k, each pulled
-        towards 1 by LEVEL_PRIOR trials at the predicted rate, and capped where the corrected rate would exceed 1."""
+        """[D] the weight of an accepted node at depths 1 .. D: C_1 x ... x C_k, each C pulled towards 1 by LEVEL_PRIOR
+        trials and capped where the corrected rate would pass 1."""
         out, product = [], 1.0
         for kept in self.depths:
             sums = [sum(column) for column in zip(*kept)] if kept else [0.0] * 4

@@ -12,8 +12,7 @@ from ..tree import TreePolicy
 
 
 def reachable(width: int, depth: int) -> int:
-    """Nodes a (width, depth) expansion records: `width` children of the root, then `width` children of each of the
-    `width` nodes it expands at every further depth."""
+    """Nodes a (width, depth) expansion records: `width` at depth 1, `width` x `width` at each further depth."""
     return width + (depth - 1) * width * width
 
 
@@ -28,8 +27,8 @@ BUDGETS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 @functools.cache
 def grid() -> tuple[TreePolicy, ...]:
-    """Candidate policies: chains of every depth, chains as deep as the exploring chain that stop at each of STOPS,
-    and trees of every width, depth and budget that fits (built once: a choice scores them all)."""
+    """Candidate policies: chains of every depth, deep chains stopping at each of STOPS, and every tree of TOP_KS,
+    depth and BUDGETS that fits."""
     policies = [TreePolicy(1, d, d) for d in range(1, EXPLORE.depth + 1)]
     policies += [TreePolicy(1, EXPLORE.depth, EXPLORE.depth, stop) for stop in STOPS]
     for k in TOP_KS[1:]:
@@ -46,10 +45,8 @@ def grid_index() -> dict[TreePolicy, int]:
 
 @functools.cache
 def under(policy: TreePolicy) -> tuple[TreePolicy, ...]:
-    """Grid policies a round of `policy` may score exactly: no wider, deeper or larger, and stopping no later
-    (`Replay.exact` says which of them a round does). Under a floor, only policies with a floor as high or higher:
-    the floor stops where the drafter is unsure, so the rounds that went as deep as a policy without it would go are
-    the easier ones."""
+    """Grid policies a round of `policy` may score exactly (`Replay.exact`): no wider, deeper or larger, with a floor
+    as high or higher (docs/autotree.md)."""
     return tuple(
         q for q in grid()
         if q.width <= policy.width and q.depth <= policy.depth and q.budget <= policy.budget and q.stop >= policy.stop
@@ -57,8 +54,7 @@ def under(policy: TreePolicy) -> tuple[TreePolicy, ...]:
 
 
 class GridArrays(NamedTuple):
-    """The grid's policies as arrays, element i being grid()[i]: what `Costs` reads of a policy (width, depth) and
-    the rows a round verifies when it verifies its whole budget (`full_shape`: its levels are the depth)."""
+    """[len(grid())] each policy's width, depth and full-budget rows, to price the whole grid at once."""
 
     width: np.ndarray
     depth: np.ndarray
@@ -85,14 +81,12 @@ def full_shape(policy: TreePolicy) -> Shape:
 
 
 def realised_shape(record: RoundRecord) -> Shape:
-    """The levels a finished round drafted (its deepest recorded node, or verified row where the records stayed with
-    the drafter) and the rows it verified."""
+    """The levels a finished round drafted (its deepest recorded node, else verified row) and the rows it verified."""
     tree = record.draft_tree
     levels = max(tree.depths) if tree is not None else int(record.tree.depths.max()) if record.tree.num_rows else 0
     return float(levels), float(record.tree.num_rows)
 
 
 def priced_shape(record: RoundRecord, policy: TreePolicy) -> Shape:
-    """The shape a finished round of `policy` is priced at: what it drafted and verified where the policy stops at a
-    floor (its levels vary by round), else the policy's full shape."""
+    """A finished round's shape as priced: as realised under a floor (its levels vary), else the policy's full shape."""
     return realised_shape(record) if policy.stop else full_shape(policy)

@@ -8,12 +8,10 @@ from .grid import EXPLORE
 
 
 class Replay:
-    """One explored round, prepared for replaying many policies on its recorded nodes.
+    """One round's recorded nodes, replayed for any policy whose tree they hold (docs/autotree.md).
 
-    accept[node]: probability the node is accepted given its parent was (verified nodes). A node left unverified
-    counts its rate under `rates` (`Calibration.rates`, frozen when the round was explored), or 0 without them.
-    The children of every node are kept in the drafter's own top-k order, and each (width, depth, stop) expansion
-    is replayed once: its nodes in global order give the expected accepted tokens of every budget as a prefix sum.
+    accept[node]: the chance a verified node is accepted given its parent was; an unverified node counts its bin's
+    rate in `rates` (`Calibration.rates`), or 0 without them.
     """
 
     def __init__(self, tree: DraftTree, accept: dict[int, float], rates: list[float] | None = None):
@@ -39,9 +37,8 @@ class Replay:
         return sums
 
     def levels(self, policy: TreePolicy) -> list[tuple[float, float]]:
-        """[D] for each depth k, had `policy` drafted this round: (the chance the accepted path reaches a node at depth
-        k - 1 that has a verified child, the chance it reaches depth k). Their ratio is the acceptance at depth k of
-        the policy's own tree, what `LevelCorrection` sets its rounds beside."""
+        """[D] per depth k, had `policy` drafted this round: (chance the accepted path reaches a node at depth k - 1
+        with a verified child, chance it reaches depth k)."""
         _, _, ranked, _ = self._expansion(policy)
         selected = ranked[: self._verified(policy)]
         parents = {self.tree.parents[node] for node, _, _ in selected}
@@ -57,11 +54,8 @@ class Replay:
         return levels, self._verified(policy) + 1
 
     def exact(self, policy: TreePolicy) -> bool:
-        """Whether this round scores `policy` exactly, with no calibrated rate: every node its expansion would have
-        drafted and verified is recorded here with its acceptance. A chosen round does so for a policy whose tree its
-        own holds (a narrower, shallower, smaller one, or the same). Whether it does depends on the drafter's
-        confidences alone, never on what the target accepted: keeping only the rounds whose accepted path did not
-        reach a missing node would keep the rounds that went badly."""
+        """Whether every node `policy` would have drafted and verified is recorded here with its acceptance (decided by
+        the drafter's confidences alone, never by what the target accepted)."""
         _, _, _, exact = self._expansion(policy)
         return self._verified(policy) <= exact
 
@@ -83,9 +77,8 @@ class Replay:
         return self.rates[Calibration.bin(self.tree.confidences[node])] if self.rates else 0.0
 
     def _replay(self, width: int, depth: int, stop: float) -> tuple[list[float], int, list[tuple[int, int, float]], int]:
-        """[b] expected accepted tokens of the best b nodes the (width, depth, stop) expansion records, b = 0 .. all;
-        the levels it drafts (fewer than `depth` where it stops); the recorded nodes' (node, depth, chance to be on
-        the accepted path), best first; and the largest budget it scores exactly (`exact`)."""
+        """The (width, depth, stop) expansion: [b] expected accepted tokens of its best b nodes, the levels it drafts,
+        its nodes' (node, depth, chance on the accepted path) best first, and the largest budget known exactly."""
         tree = self.tree
         frontier, recorded, levels, short = [0], [], 0, []
         for _ in range(depth):

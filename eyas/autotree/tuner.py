@@ -34,12 +34,8 @@ class Choice:
 
 @dataclass
 class TreeTuner:
-    """Chooses the tree policy for the next round from measured costs and recent exploration rounds.
-
-    The choice depends on how many requests step together: their trees share every forward, and
-    once a forward is compute-bound, rows one request adds cost every other request time too, so
-    a batch of requests gets smaller trees than a request alone (one choice per concurrency).
-    """
+    """Chooses the next round's policy from measured costs and explored rounds, one choice per number of requests
+    stepping together (docs/autotree.md)."""
 
     costs: Costs
     explore_rounds: int = 18  # the three EXPLORATIONS in turn: acceptance varies a lot from round to round
@@ -73,17 +69,13 @@ class TreeTuner:
 
     @property
     def current(self) -> TreePolicy:
-        """The policy of a request running alone (EXPLORE until something was explored). One lookup, so a reader
-        outside the engine's tuner lock never meets a choice cleared between a check and a read."""
+        """The policy of a request running alone (EXPLORE until one is chosen); one lookup, safe outside the lock."""
         alone = self.choices.get(1)
         return alone.policy if alone is not None else EXPLORE
 
     def policy(self, concurrent: int = 1) -> TreePolicy:
-        """The next round's policy when `concurrent` requests step together: exploration rounds take EXPLORATIONS
-        in turn, then the chosen one, with one exploring round in every `explore_every` rounds of a lone request,
-        and in every `explore_every` x n rounds of n requests stepping together: its deeper levels and wider
-        verification hold up every batch-mate (at 8 requests on the demo models an exploring round took as long as
-        four chosen ones), while it teaches no more than a lone request's, so a batch refreshes less often."""
+        """The next round's policy when `concurrent` requests step together: EXPLORATIONS in turn while exploring, then
+        the choice, with one exploring round in `explore_every` x `concurrent` rounds."""
         if self.exploring:
             turn = self.explore_rounds - self.exploring
             self.exploring -= 1
@@ -104,11 +96,8 @@ class TreeTuner:
         return self.choices.get(concurrent) or Choice(EXPLORE, 0.0, 0.0)
 
     def observe(self, record: RoundRecord, concurrent: int = 1, draft_off_worker: float = 0.0) -> None:
-        """Fold in one finished round (run beside `concurrent - 1` others): an exploring round is kept and every
-        concurrency chooses again; a chosen round's acceptance is checked against its prediction, and on drift or
-        after a while the tuner explores again; every RECORRECT_ROUNDS chosen rounds, the choice is made again on
-        what they taught (`_choose_again`). `draft_off_worker`: of the round's drafting time, the seconds its Draft
-        call spent on the wire, queued or waiting for batch-mates (a service's round; once a call, not a level)."""
+        """Fold in one finished round run beside `concurrent - 1` others. `draft_off_worker`: of a service round's
+        drafting time, the seconds its Draft call spent off the worker (wire, queue)."""
         self._measure_lockstep(record, concurrent, draft_off_worker)
         if record.policy in EXPLORATIONS:
             self._explored(record, concurrent)
@@ -151,9 +140,8 @@ class TreeTuner:
         self.corrections.add(seen, self.rounds_for(policy).levels(policy))
 
     def _replay_chosen(self, record: RoundRecord) -> None:
-        """A chosen round is an exact sample, on the text being decoded, of every policy whose tree its own holds
-        (`under`, `Replay.exact`): keep the tokens each would have committed there, and the levels it would have
-        drafted and the rows verified (`score` and `shape` weigh them in)."""
+        """Keep, for every policy a chosen round's tree holds (`under`, `Replay.exact`), the tokens, levels and rows it
+        would have had there."""
         if record.policy is None or record.draft_tree is None or record.row_probs is None:
             return  # a service round: the drafter's recorded nodes stay with the draft worker
         if record.pre_built:
@@ -165,12 +153,8 @@ class TreeTuner:
                 kept.append((1.0 + replay.expected(policy), *replay.drafted(policy)))
 
     def _measure_round(self, record: RoundRecord, concurrent: int) -> bool:
-        """Learn a round's own bookkeeping when `concurrent` requests step together (`Costs.per_round_at`): each
-        chosen round there keeps what it took beyond its forwards, with its levels and rows; once that concurrency's
-        lockstep cost is in and LOCKSTEP_ROUNDS rounds are kept, the median over them of that time less their
-        levels' and rows' price at the current costs is the round's own there. Kept raw and priced afresh at every
-        round, so a cost learned later (the lockstep's, a lone round's per level and per row) is never left inside
-        it. Whether this round was the one that first measured it (that concurrency then chooses again at once)."""
+        """Learn a round's own bookkeeping at `concurrent` > 1 (`Costs.per_round_at`): the median of what kept rounds
+        took beyond their forwards, levels and rows at the current costs. Whether this round first measured it."""
         policy = record.policy
         if concurrent == 1 or policy is None or not policy.depth or "draft" not in record.seconds:
             return False
@@ -190,9 +174,7 @@ class TreeTuner:
         return first
 
     def _choose_again(self, concurrent: int) -> None:
-        """Every RECORRECT_ROUNDS chosen rounds: the level corrections take in the rounds since, `concurrent`
-        chooses again on them and on the costs learned meanwhile (keeping its count of rounds since the choice where
-        the choice stands), and the other concurrencies when they next step (a choice scores the whole grid)."""
+        """Apply the level corrections; `concurrent` chooses again now, the other concurrencies when they next step."""
         self.factors = self.corrections.factors()
         before = self.choices.get(concurrent)
         self.choices = {} if before is None else {concurrent: before}
@@ -201,21 +183,15 @@ class TreeTuner:
             self.since_choice = since
 
     def _explore_again(self, concurrent: int) -> None:
-        """After drift, or a long while on one choice: a lone request explores `explore_rounds` rounds again. Requests
-        stepping together would take those rounds within two or three steps, each step then verifying n exploration
-        trees and drafting 8 levels for all of them (on the demo models a batch of 8 ran 26-33% slower for it), so
-        beside batch-mates the next round explores, one round, as the periodic refresh does (a refresh rather than
-        nothing: drift there means the explored rounds do not fit these requests' text, and each exploring round adds
-        one of theirs)."""
+        """After drift or a long while on one choice: a lone request explores `explore_rounds` rounds again, requests
+        stepping together one round."""
         if concurrent > 1 and self.explore_every:
             self._credit = float(self.explore_every)
         else:
             self.exploring = self.explore_rounds
 
     def _explored(self, record: RoundRecord, concurrent: int) -> None:
-        """Keep an exploring round for replays, and learn the bookkeeping cost from it when it ran alone: beside
-        batch-mates its phases also wait on theirs, which draft other trees (what a level costs requests stepping
-        together is learned from their chosen rounds, `_measure_lockstep`)."""
+        """Keep an exploring round for replays; when it ran alone, learn the bookkeeping from it too."""
         if record.draft_tree is not None and record.row_probs is not None:
             accept = dict(zip(record.row_nodes, record.row_probs.tolist()))
             self.calibration.add(record.draft_tree, accept)
@@ -235,13 +211,8 @@ class TreeTuner:
         return gap > self.drift * predicted and gap > 3.0 * (variance + predicted_variance) ** 0.5
 
     def _calibrate(self, record: RoundRecord, exploring: bool) -> None:
-        """Learn the time a lone round spends outside model forwards: tree bookkeeping per depth, the rest per round
-        and per verified row. The slope over rows is fitted over the exploration rounds, whose rows differ (a wide
-        tree's rest costs several times a chain's, so one per-round figure would overcharge small trees). Once
-        chosen rounds have run, they set the level: an exploring round also carries every node it recorded (over
-        the wire, in a service, with its receipt checks), which a chosen round does not, so a level fitted on
-        exploring rounds alone would overcharge every round and favour large trees. Requests stepping together take
-        turns at it (`Costs.round_seconds`)."""
+        """Learn a lone round's time outside the forwards: tree bookkeeping per level, the rest as a line over the
+        verified rows, its slope from exploring rounds and its level from chosen ones once there are some."""
         seconds = record.seconds
         observed = sum(seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify", "publish"))
         policy = record.policy or EXPLORE
@@ -259,17 +230,8 @@ class TreeTuner:
             self.costs.overhead_per_round = max(0.0, statistics.median(r - slope * rows for _, rows, r in self.chosen_overheads))
 
     def _measure_lockstep(self, record: RoundRecord, concurrent: int, off_worker: float = 0.0) -> None:
-        """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: the bookkeeping
-        of all n requests plus their hand-offs. The extra, per concurrency, is the median over that concurrency's
-        rounds, whole: a lone request's drafting bookkeeping is priced per round, not per level (`_calibrate` fits a
-        lone round's rest over its rows), so taking n times it off each level, as this once did, took from the levels
-        what was never charged to them (at 8 requests on the demo models, 5.3 ms a level less 8 x 0.67 came to
-        nothing, and deep trees looked cheap in batches); a round's own bookkeeping there is measured whole too
-        (`_measure_round`). Once a concurrency has enough rounds its choice is made again with it, and
-        the concurrencies not yet measured, which are priced from the measured ones (`Costs.lockstep_at`), choose
-        again too. A service's Draft call drafts every level in one call: its time off the worker (`off_worker`:
-        wire, serialization, the queue behind the other group) is the round's, not its levels', and is left to the
-        round's own (`_measure_round`)."""
+        """Learn what a drafting level costs requests stepping together beyond the drafter's forwards: the median over
+        a concurrency's chosen rounds, less `off_worker` (a service call's time off the worker, the round's own)."""
         policy = record.policy
         if policy is None or not policy.depth or "draft" not in record.seconds:
             return
@@ -289,9 +251,8 @@ class TreeTuner:
                 self.choose(concurrent)
 
     def rounds_for(self, policy: TreePolicy) -> Explored:
-        """Explored rounds that measure `policy`: the chain rounds for a chain, the narrow-tree rounds (which verify
-        every node a policy of width 2 can record) for width 2, the wide-tree rounds otherwise; any kind there is
-        while that one has none."""
+        """Explored rounds that score `policy`: chain rounds for width 1, narrow ones for width 2, wide ones otherwise
+        (any kind while that one has none)."""
         rounds = self.explored_chains if policy.width == 1 else self.explored_narrow if policy.width == 2 else self.explored
         return rounds or self.explored or self.explored_narrow or self.explored_chains
 
@@ -310,10 +271,8 @@ class TreeTuner:
         return bool(self.explored or self.explored_narrow or self.explored_chains)
 
     def score(self, policy: TreePolicy, concurrent: int = 1) -> tuple[float, float]:
-        """(expected tokens per round, expected tokens per second of each request) of `policy` on the explored rounds
-        of its kind, when `concurrent` requests step together. Where chosen rounds held its tree, the tokens are
-        their mean with the explored prediction counted as PREDICTION_ROUNDS more; a policy that stops is priced at
-        `shape`."""
+        """(expected tokens per round, expected tokens per second of each request) of `policy` when `concurrent`
+        requests step together."""
         tokens = self.tokens(policy)
         shape = self.shape(policy, concurrent) if policy.stop else None
         return tokens, tokens / self.costs.round_seconds(policy, tokens, concurrent, shape)
@@ -323,16 +282,14 @@ class TreeTuner:
         return self._with_replayed(policy, self.rounds_for(policy).tokens(policy, self.factors)[0])
 
     def _with_replayed(self, policy: TreePolicy, predicted: float) -> float:
-        """The explored prediction of `policy`'s tokens per round, averaged with its replayed rounds where it has any
-        (the prediction counting as PREDICTION_ROUNDS of them)."""
+        """The explored prediction averaged with `policy`'s replayed rounds, counting as PREDICTION_ROUNDS of them."""
         replayed = self.replayed.get(policy)
         if not replayed:
             return predicted
         return (sum(t for t, _, _ in replayed) + PREDICTION_ROUNDS * predicted) / (len(replayed) + PREDICTION_ROUNDS)
 
     def _grid_tokens(self) -> np.ndarray:
-        """[len(grid())] `tokens` of every grid policy, at once: each kind of explored rounds prices its policies
-        together (`Explored.means`), and the policies with replayed rounds take them in as `tokens` does."""
+        """[len(grid())] `tokens` of every grid policy, at once."""
         policies = grid()
         by_rounds: dict[int, tuple[Explored, list[int]]] = {}
         for i, policy in enumerate(policies):
@@ -348,11 +305,8 @@ class TreeTuner:
         return tokens
 
     def shape(self, policy: TreePolicy, concurrent: int = 1) -> Shape:
-        """The levels and rows a round of `policy` (one that stops) drafts and verifies beside `concurrent - 1`
-        others (`lockstep_shape`): on the explored rounds, which count as PREDICTION_ROUNDS rounds in all as
-        `score` counts them, and on the chosen rounds that held it. How deep a floor lets a chain go depends on the
-        drafter's confidence on the text being decoded, as its acceptance does (on the demo models' held-out
-        prompts, a floor of 0.2 drafted 1.43 levels a round on the explored rounds and 2.08 in the batch)."""
+        """The (levels, rows) a round of `policy`, one that stops, drafts and verifies beside `concurrent - 1` others,
+        from its explored and replayed rounds weighed as `score` weighs them."""
         rounds = self.rounds_for(policy)
         weight = PREDICTION_ROUNDS / len(rounds)
         draws = [(*replay.drafted(policy), weight) for replay in rounds.replays]
@@ -360,9 +314,8 @@ class TreeTuner:
         return lockstep_shape(draws, concurrent)
 
     def choose(self, concurrent: int = 1) -> TreePolicy:
-        """The grid policy with the highest expected tokens per second for `concurrent` requests stepping together
-        (the first such in the grid): `score` of every grid policy, priced all at once (one policy at a time, the
-        342 prices took 2.5 of a choice's 4.3 ms on the 2-core machine)."""
+        """The grid policy with the highest `score` for `concurrent` requests stepping together (the first such),
+        the whole grid priced at once."""
         if not self._any_explored():
             return self.current
         policies, arrays = grid(), grid_arrays()
