@@ -49,7 +49,8 @@ class StoredTree:
         for key in ("drafter", "target"):
             if not isinstance(data.get(key), str) or not data[key]:
                 raise TreeError(f"{where}: {key}", f"must be the weight digest of the {key} the tree was picked for")
-        for key, kind in (("machine", dict), ("dtype", str), ("draft_dtype", str), ("tokens_per_s", dict), ("prompts", str), ("command", str)):
+        for key in ("machine", "dtype", "draft_dtype", "tokens_per_s", "prompts", "command"):
+            kind = dict if key in ("machine", "tokens_per_s") else str
             if not isinstance(data.get(key, kind()), kind):
                 raise TreeError(f"{where}: {key}", f"must be a {kind.__name__}")
         return cls(policy, **{k: v for k, v in data.items() if k != "tree"})
@@ -94,7 +95,9 @@ def default_tree(drafter: str | Path, target: str, check: Callable[[TreePolicy],
     if stored is not None:
         return _checked(check, stored.policy, str(Path(drafter, TREE_FILE)))
     fallback = TreePolicy()
-    why = f"its {TREE_FILE} was picked for other weights (drafter or target)" if Path(drafter, TREE_FILE).exists() else f"no {TREE_FILE}"
+    why = f"its {TREE_FILE} was picked for other weights (drafter or target)"
+    if not Path(drafter, TREE_FILE).exists():
+        why = f"no {TREE_FILE}"
     warnings.warn(
         f"{drafter}: {why}; using the default tree {fallback.width}/{fallback.depth}/{fallback.budget}, seldom the "
         f"fastest (`eyas bench tree --pick` picks one for this machine: docs/tree.md#the-default-tree)",

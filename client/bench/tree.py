@@ -109,6 +109,7 @@ def time_policies(
 
 
 def summary(tally: Tally) -> dict:
+    """A tree's tokens/s and acceptance over the prompts it ran."""
     return {
         "tokens_per_s": tally.tokens / tally.seconds,
         "mean_accept_length": tally.tokens / tally.decode_forwards,
@@ -145,14 +146,16 @@ def report(
     drafters: list[str], target: str | None, suites: tuple[str, ...], n_prompts: int, blocks: int, max_new_tokens: int,
     temperature: float, command: str = "",
 ) -> dict:
-    """Every drafter on every suite: the grid, the stored tree and tree auto, each pair in one interleaved run."""
+    """Every drafter on every suite: the grid, the stored tree and tree auto, each drafter and suite in one
+    interleaved run."""
     runs, described = [], {}
     for name in drafters:
         target_dir, drafter_dir = models(name, target)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         for suite in suites:
             prompts, described[suite] = suite_prompts(suite, tokenizer, n_prompts)
-            runs.append({"drafter": name, "suite": suite, **report_one(target_dir, drafter_dir, prompts, blocks, max_new_tokens, temperature)})
+            timed = report_one(target_dir, drafter_dir, prompts, blocks, max_new_tokens, temperature)
+            runs.append({"drafter": name, "suite": suite, **timed})
     return {
         "command": command,
         "temperature": temperature,
@@ -175,13 +178,12 @@ def pick(
         prompts, described = tuning_prompts(AutoTokenizer.from_pretrained(target_dir), n_prompts)
         runner = EyasRunner.load(target_dir, drafter_dir, tree=asdict(GRID[0]))  # each call names its own tree
         tallies = time_policies(runner, list(GRID), prompts, blocks, max_new_tokens, temperature, auto=False)
-        rates = {name: round(t.tokens / t.seconds, 1) for name, t in tallies.items()}
+        rates = {key: round(t.tokens / t.seconds, 1) for key, t in tallies.items()}
         best = max(GRID, key=lambda p: rates[label(p)])
         engine = runner.engine
-        stored = StoredTree(
-            best, weight_digest(drafter_dir), engine.target.fingerprint.weight_digest, machine(engine), str(engine.target.runtime.dtype).removeprefix("torch."),
-            str(engine.drafter.dtype).removeprefix("torch."), rates, described, command,
-        )
+        dtypes = [str(d).removeprefix("torch.") for d in (engine.target.runtime.dtype, engine.drafter.dtype)]
+        digests = weight_digest(drafter_dir), engine.target.fingerprint.weight_digest
+        stored = StoredTree(best, *digests, machine(engine), *dtypes, rates, described, command)
         path = stored.save(drafter_dir)
         print(f"eyas bench tree: {name}: {label(best)} ({rates[label(best)]:.1f} tokens/s) -> {path}", file=sys.stderr, flush=True)
         picked[name] = {"path": str(path), **stored.to_dict()}
