@@ -74,11 +74,11 @@ class StoredTree:
 
 
 def _checked(check: Callable, value: object, where: str) -> TreePolicy:
-    """`check(value)`, a TreeError from it renamed as the stored file's `tree.<field>`."""
+    """`check(value)`, a TreeError from it (naming `tree.<knob>`) prefixed with the stored file."""
     try:
         return check(value)
     except TreeError as exc:
-        raise TreeError(f"{where}: tree.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
+        raise TreeError(f"{where}: {exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
 
 
 def stored_for(drafter: str | Path, target: str) -> StoredTree | None:

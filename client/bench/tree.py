@@ -15,7 +15,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eyas.assets import demo_model
-from eyas.demo.corpus import heldout_prompts, stdlib_root
+from eyas.train.corpus import heldout_prompts, stdlib_root
 from eyas.demo.drafters import STAGES
 from eyas.manifest import weight_digest
 from eyas.stored_tree import StoredTree, stored_for
