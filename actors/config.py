@@ -6,6 +6,7 @@ name, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -19,10 +20,13 @@ from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.autotree import EXPLORE
 from eyas.drafters.checkpoint import CheckpointError
 from eyas.emulation import Profile, ProfileError, load_profile
+from eyas.engine import tree_setting
+from eyas.manifest import Manifest
 from eyas.pairing import plan_drafter, target_num_layers
 from eyas.rpc import MIN_REQUEST_BYTES
 from eyas.runtime.device import DTYPES
 from eyas.runtime.shard import ShardError, check_shardable
+from eyas.stored_tree import default_tree
 from eyas.tree import TreePolicy
 
 from .server import DEFAULT_HOST
@@ -100,7 +104,7 @@ class ServiceConfig:
     draft_dtype: str = "auto"
     feature_layers: tuple[int, ...] | None = None
     allow_manifest_mismatch: bool = False
-    tree: TreePolicy | str = "auto"  # "auto": the coordinator's tuner chooses each round's tree (eyas.autotree)
+    tree: TreePolicy | str | None = None  # None: the drafter's stored tree (`policy`); "auto": tree auto (eyas.autotree)
     draft_pool: PoolConfig = PoolConfig()
     target_pool: PoolConfig = PoolConfig()
     host: str = DEFAULT_HOST
@@ -134,11 +138,10 @@ class ServiceConfig:
         service = _take(sections.get("service") or {}, "service.", {"max_active", "kv_slots", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
         ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
         tree = sections.get("tree")
-        if tree is None or isinstance(tree, str):
-            tree = tree or "auto"
+        if isinstance(tree, str):
             if tree != "auto":
                 raise ConfigError(f'tree: "auto" or a mapping of width, depth and budget, got {tree!r}')
-        else:
+        elif tree is not None:
             try:
                 tree = TreePolicy.from_dict(tree)
             except ValueError as exc:
@@ -197,10 +200,24 @@ class ServiceConfig:
         pools = sum(p.replicas * p.tensor_parallel * p.num_cpus for p in (self.draft_pool, self.target_pool))
         return max(os.cpu_count() or 1, math.ceil(2 * pools))
 
+    @functools.cached_property
+    def policy(self) -> TreePolicy | str:
+        """The configured tree; else auto for emulated models, else the tree stored beside the drafter for its
+        manifest's target, else TreePolicy()."""
+        if self.tree is not None or self.emulate:
+            return self.tree or "auto"
+        drafter = self.models()[1]
+        manifest = Manifest.load(drafter)
+        return default_tree(drafter, manifest.target.weight_digest if manifest else "", tree_setting)
+
     @property
     def tree_limit(self) -> TreePolicy:
-        """The largest tree a round may draft, knob by knob: the fixed policy, or under auto the widest one it explores."""
-        return EXPLORE if self.tree == "auto" else self.tree
+        """The largest tree a round may draft, knob by knob: the configured fixed policy; under auto, or with none
+        configured, the widest tree auto explores (and the stored tree where it is wider)."""
+        if isinstance(self.tree, TreePolicy):
+            return self.tree
+        widest = [EXPLORE] if self.policy == "auto" else [EXPLORE, self.policy]
+        return TreePolicy(*(max(getattr(p, knob) for p in widest) for knob in ("width", "depth", "budget")))
 
     @property
     def shared_token(self) -> str | None:

@@ -205,7 +205,7 @@ class Coordinator:
         info = self.pools["target"].members()[0].info
         self.vocab_size, self.feature_width, self.max_positions = info.vocab_size, info.feature_width, info.max_positions
         self.eos = frozenset(info.eos_token_ids)
-        if self.config.tree == "auto":
+        if self.config.policy == "auto":
             self.tuner = TreeTuner(self._measure_costs())
 
     def _measure_costs(self) -> Costs:
@@ -240,7 +240,7 @@ class Coordinator:
             check_prompt_text(prompt, self.max_positions)
         where = f"the target's {self.max_positions} positions"
         ids = prompt_within(prompt, self.tokenizer, self.vocab_size, max_new_tokens, self.max_positions, where)
-        policy = self._check_tree(tree) if tree is not None else None if self.config.tree == "auto" else self.config.tree
+        policy = self._check_tree(tree) if tree is not None else None if self.config.policy == "auto" else self.config.policy
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         state = RequestState(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling_params, rules, decode=decode)
         job = Job(state, policy, emit)
@@ -260,7 +260,7 @@ class Coordinator:
         history: an exploration clears its current choices, not what it chose before) and the exploring rounds
         still to run before it chooses (a short request may end within the first exploration)."""
         if self.tuner is None:
-            return {"tree": dataclasses.asdict(self.config.tree), "tree_auto": False}
+            return {"tree": dataclasses.asdict(self.config.policy), "tree_auto": False}
         latest: dict[int, TreePolicy] = {}
         with self._tuner_lock:
             for entry in self.tuner.history:  # oldest first: the latest choice at each concurrency wins

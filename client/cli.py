@@ -35,7 +35,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the bundled demo target)")
     parser.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
     parser.add_argument("--draft-dtype", default="auto", help="with --local, the drafter's dtype: auto (the target's, but bfloat16 beside a float32 target on a CPU with bf16 units), float32, bfloat16 or float16; a service uses its config's models.draft_dtype")
-    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the tree knobs, --local tunes the tree itself and a service uses its config's tree, auto by default)")
+    parser.add_argument("--tree-width", type=int, help="tree expansion width: children per expanded node (default 8; with none of the tree knobs, the tree stored beside the drafter, docs/tree.md#the-default-tree, and a running service uses its config's tree)")
+    parser.add_argument("--tree-auto", action="store_true", help="tree auto: choose each round's tree from this machine's measured costs (with --local; a service's is its config's tree: auto; docs/autotree.md)")
     parser.add_argument("--top-k", type=int, dest="ambiguous_top_k", help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help="tree depth (default 5)")
     parser.add_argument("--budget", type=int, help="verify budget, candidate nodes besides the root (default 32)")
@@ -70,7 +71,10 @@ def tree_args(args: argparse.Namespace) -> dict:
     if args.ambiguous_top_k is not None:
         raise ValueError("--top-k: ambiguous, not accepted; the tree's expansion width is --tree-width, sampling top-k is --sample-top-k")
     knobs = {"width": args.tree_width, "depth": args.depth, "budget": args.budget, "stop": args.tree_stop}
-    return {k: v for k, v in knobs.items() if v is not None}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if args.tree_auto and knobs:
+        raise ValueError("--tree-auto: tree auto chooses every knob; drop --tree-width, --depth, --budget and --tree-stop")
+    return knobs
 
 
 def add_server_args(parser: argparse.ArgumentParser, discover: bool = False) -> None:
@@ -88,6 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree_args(args)  # an ambiguous --top-k is refused before anything starts
     if args.prompt is None:
         args.prompt = read_prompt(args.prompt_file)
+    if args.tree_auto and not args.local:
+        raise ValueError("--tree-auto: with --local only; a service's tree is its config's (tree: auto)")
     return generate_local(args) if args.local else generate_service(args)
 
 
@@ -139,7 +145,7 @@ def generate_embedded(args: argparse.Namespace) -> int:
     overrides = {"target": args.target, "drafter": args.drafter}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     knobs = tree_args(args)
-    if knobs:  # knobs on the command line fix the tree (over the config's policy, or the default one under auto)
+    if knobs:  # knobs on the command line fix the tree (over the config's fixed policy, else over TreePolicy())
         config = replace(config, tree=replace(config.tree if isinstance(config.tree, TreePolicy) else TreePolicy(), **knobs))
     if args.allow_manifest_mismatch:
         config = replace(config, allow_manifest_mismatch=True)
@@ -194,7 +200,7 @@ def generate_local(args: argparse.Namespace) -> int:
     quiet_loading()
     target, drafter = resolve_models(args)
     engine = Engine.from_pretrained(
-        target, drafter, tree=tree_args(args) or "auto", allow_manifest_mismatch=args.allow_manifest_mismatch, draft_dtype=args.draft_dtype
+        target, drafter, tree="auto" if args.tree_auto else tree_args(args) or None, allow_manifest_mismatch=args.allow_manifest_mismatch, draft_dtype=args.draft_dtype
     )
     tokenizer = engine.target.tokenizer
 

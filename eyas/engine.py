@@ -30,6 +30,7 @@ from .runtime.device import resolve_device, resolve_draft_dtype, resolve_dtype, 
 from .runtime.kv import TREE_HEADROOM
 from .stats import GenerationStats
 from .steps import Steps
+from .stored_tree import default_tree
 from .target import DEFAULT_KV_SLOTS, TargetModel, TargetSession
 from .trace.record import RequestRecorder
 from .trace.store import TraceWriter
@@ -48,7 +49,7 @@ class Generation:
 
 
 def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
-    """"auto" (hardware-aware, see eyas.autotree) or a fixed policy from a mapping; None is the default policy.
+    """"auto" (tree auto, eyas.autotree) or a fixed policy from a mapping; None is TreePolicy().
 
     A fixed policy must fit the scratch rows a KV slot keeps past a request's tokens.
     """
@@ -67,7 +68,7 @@ def tree_setting(tree: TreePolicy | dict | str | None) -> TreePolicy | str:
 class Engine:
     """EAGLE speculative decoding of one target with one drafter, in one process.
 
-    `tree` is "auto" (hardware-aware, the default) or a fixed policy (a TreePolicy or a mapping; None: TreePolicy()).
+    `tree` is a fixed policy (a TreePolicy or a mapping; None: TreePolicy()) or "auto" (tree auto, eyas.autotree).
     """
 
     def __init__(
@@ -75,7 +76,7 @@ class Engine:
         target: TargetModel,
         drafter: Drafter,
         manifest: Manifest,
-        tree: TreePolicy | dict | str | None = "auto",
+        tree: TreePolicy | dict | str | None = None,
         draft_ahead: int = 0,
         graphs: bool | None = None,
     ):
@@ -115,7 +116,7 @@ class Engine:
         cls,
         target: str | Path,
         drafter: str | Path,
-        tree: TreePolicy | dict | str | None = "auto",
+        tree: TreePolicy | dict | str | None = None,
         feature_layers: tuple[int, ...] | None = None,
         allow_manifest_mismatch: bool = False,
         dtype: torch.dtype | str | None = None,
@@ -127,6 +128,8 @@ class Engine:
         draft_dtype: torch.dtype | str | None = None,
     ) -> "Engine":
         """Load a target directory and a drafter directory onto `device` (cpu, cuda, cuda:N), checking the manifest.
+
+        tree None: the tree stored beside the drafter for this target (eyas.stored_tree), else TreePolicy().
 
         dtype None: float32 on CPU; on CUDA the checkpoint's half dtype, else bfloat16 (see resolve_dtype).
         draft_dtype None: the target's, but bfloat16 beside a float32 target on a CPU with bf16 products (the drafter
@@ -145,6 +148,8 @@ class Engine:
         # bound by reference: a drafter in another dtype binds copies in its own
         embed, lm_head = target_model.embed.to(dtype=draft_dtype), target_model.lm_head.to(dtype=draft_dtype)
         drafter_model, _ = load_drafter(drafter, embed, lm_head)
+        if tree is None:
+            tree = default_tree(drafter, target_model.fingerprint.weight_digest, tree_setting)
         return cls(target_model, drafter_model.to(device=device, dtype=draft_dtype), manifest, tree, draft_ahead, graphs)
 
     @classmethod

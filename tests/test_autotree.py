@@ -11,24 +11,11 @@ from tests.helpers.tiny import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from eyas import Engine
-from eyas.autotree import (
-    EXPLORATIONS,
-    EXPLORE,
-    EXPLORE_CHAIN,
-    EXPLORE_NARROW,
-    LEVEL_PRIOR,
-    LOCKSTEP_ROUNDS,
-    MIN_OBSERVED,
-    PREDICTION_ROUNDS,
-    RECORRECT_ROUNDS,
-    Costs,
-    LevelCorrection,
-    Replay,
-    TreeTuner,
-    expected_accepted,
-    fit_line,
-    grid,
-)
+from eyas.autotree import EXPLORATIONS, EXPLORE, Costs, Replay, TreeTuner, expected_accepted
+from eyas.autotree.costs import MIN_OBSERVED, fit_line
+from eyas.autotree.explored import LEVEL_PRIOR, LevelCorrection
+from eyas.autotree.grid import EXPLORE_CHAIN, EXPLORE_NARROW, grid
+from eyas.autotree.tuner import LOCKSTEP_ROUNDS, PREDICTION_ROUNDS, RECORRECT_ROUNDS
 from eyas.drafters import drafter_config
 from eyas.outcomes import Calibration
 from eyas.proposer import DraftSession

@@ -8,6 +8,7 @@ refused fast, naming its field, while another request runs unchanged. A second s
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -22,7 +23,10 @@ from eyas.client.cli import format_status
 from eyas.client.client import Client, EyasError
 from eyas.client.jobs import run_job
 from eyas.cluster.service import Service
+from eyas.manifest import weight_digest
 from eyas.rpc import TOKEN_KEY, call_metadata, field_of
+from eyas.stored_tree import StoredTree
+from eyas.tree import TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import service_pb2 as spb
 
@@ -254,6 +258,25 @@ def test_a_service_with_tree_auto_chooses_its_trees_and_keeps_the_output(svc):
             with pytest.raises(EyasError) as err:
                 client.generate(PROMPTS[0], max_new_tokens=4, tree={"width": 9, "depth": 2, "budget": 4})
             assert err.value.field == "tree.width"
+    finally:
+        service.stop()
+
+
+@pytest.mark.slow
+def test_a_service_without_a_tree_serves_the_one_stored_beside_its_drafter(svc, tmp_path):
+    """No `tree` configured: the coordinator serves the tree stored beside the drafter (docs/tree.md#the-default-tree);
+    the output stays the target's, and a request may ask for a fixed tree up to the widest one tree auto explores."""
+    target, drafter = svc["models"]
+    drafter = shutil.copytree(drafter, tmp_path / "drafter")
+    StoredTree(TreePolicy(1, 3, 3), weight_digest(drafter), svc["engine"].target.fingerprint.weight_digest).save(drafter)
+    service = Service(service_config(target, drafter, tree=None), port=0).start()
+    try:
+        with Client(service.address) as client:
+            status = client.status()
+            assert not status.get("tree_auto") and "tree: 1/3/3 (width/depth/budget)" in format_status(status)
+            assert client.generate(PROMPTS[0], max_new_tokens=LENGTH).token_ids == svc["expected"][0]
+            wide = client.generate(PROMPTS[1], max_new_tokens=LENGTH, tree={"width": 8, "depth": 8, "budget": 64})
+            assert wide.token_ids == svc["expected"][1]
     finally:
         service.stop()
 

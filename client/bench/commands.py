@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 
 from eyas.assets import DEFAULT_DRAFTER
 
 from ..loading import quiet_loading
+
+REPORTED = ("eagle1", "hass", "eagle3")  # `eyas bench tree`'s demo drafters
+PICKED = (*REPORTED, "moe-eagle3")  # and `--pick`'s: every bundled drafter
+SUITES = ("stdlib", "library")  # held-out standard-library functions; windows of installed libraries' source
 
 
 def temperature_list(text: str) -> tuple[float, ...]:
@@ -43,16 +48,28 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    """`tree: auto` against a grid of fixed trees on the demo models, interleaved on the same prompts."""
+    """Tree auto and each drafter's stored tree against a grid of fixed trees, per drafter and prompt suite, interleaved
+    on the same prompts; with --pick, time the grid on tuning prompts and store the fastest tree beside each drafter."""
     import torch
 
     from .harness import write_json
-    from .tree import run
+    from .tree import pick, report
 
     quiet_loading()
     torch.set_num_threads(args.threads)
-    write_json(run(args.drafter, args.prompts, args.blocks, args.max_new_tokens, args.temperature), args.json)
+    drafters = args.drafters.split(",") if args.drafters else list(PICKED if args.pick else REPORTED)
+    run = (args.prompts, args.blocks, args.max_new_tokens, args.temperature, tree_command(args))
+    record = pick(drafters, args.target, *run) if args.pick else report(drafters, args.target, args.suites, *run)
+    write_json(record, args.json)
     return 0
+
+
+def tree_command(args: argparse.Namespace) -> str:
+    """The `eyas bench tree` command line that repeats this run, every option spelled out (the JSON to stdout)."""
+    parts = ["eyas", "bench", "tree", *(["--pick"] if args.pick else ["--suites", ",".join(args.suites)])]
+    parts += [f"--{key}={value}" for key, value in (("drafters", args.drafters), ("target", args.target)) if value]
+    options = ("prompts", "blocks", "max_new_tokens", "temperature", "threads")
+    return shlex.join(parts + [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in options])
 
 
 def run_and_write(module: str, args: argparse.Namespace) -> int:
@@ -108,6 +125,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_and_write("profile", args)
 
 
+def suite_list(text: str) -> tuple[str, ...]:
+    """`stdlib,library` -> ("stdlib", "library"); each one of SUITES."""
+    suites = tuple(text.split(","))
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown suite {sorted(unknown)[0]!r} (one of {', '.join(SUITES)})")
+    return suites
+
+
 def row_counts(text: str) -> tuple[int, ...]:
     """`1,64` -> (1, 64); each a positive integer."""
     try:
@@ -152,10 +178,13 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                        help="comma-separated sampling temperatures, 0 for greedy (default 0,0.7)")
     peers.set_defaults(func=cmd_peers)
 
-    tree = kinds.add_parser("tree", help="tree auto against a grid of fixed trees", description=cmd_tree.__doc__)
-    tree.add_argument("--drafter", default="eagle3", choices=("eagle1", "hass", "eagle3"))
-    tree.add_argument("--prompts", type=int, default=20)
-    tree.add_argument("--blocks", type=int, default=2)
+    tree = kinds.add_parser("tree", help="fixed trees, stored trees and tree auto; --pick stores a drafter's tree", description=cmd_tree.__doc__)
+    tree.add_argument("--pick", action="store_true", help="time the grid on tuning prompts and write the fastest tree to tree.json beside each drafter")
+    tree.add_argument("--drafters", help=f"comma-separated demo drafters or drafter directories (default {','.join(REPORTED)}; with --pick {','.join(PICKED)})")
+    tree.add_argument("--target", help="target directory (default: each demo drafter's demo target)")
+    tree.add_argument("--suites", type=suite_list, default=SUITES, help=f"report prompt suites (default {','.join(SUITES)})")
+    tree.add_argument("--prompts", type=int, default=48, help="prompts per suite, or tuning prompts with --pick (default 48)")
+    tree.add_argument("--blocks", type=int, default=12, help="prompt blocks interleaved across trees (default 12)")
     tree.add_argument("--max-new-tokens", type=int, default=64)
     tree.add_argument("--temperature", type=float, default=0.0)
     tree.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
@@ -174,7 +203,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--draft-workers", type=int, default=1)
     service.add_argument("--target-workers", type=int, default=1)
     service.add_argument("--draft-ahead", type=int, default=0, help="trees drafted ahead per round, in process and in the draft worker")
-    service.add_argument("--tree", help="the tree of every request: auto, or width,depth,budget (default: the service config's, auto)")
+    service.add_argument("--tree", help="the tree of every request: auto, or width,depth,budget (default: the service config's)")
     service.add_argument("--vllm-eagle", action="store_true", help="also run vLLM-CPU's EAGLE (demo EAGLE-1 drafter) on the same prompts, one at a time and all at once")
     service.add_argument("--vllm-k", type=int, help="vLLM EAGLE drafts per step (default: the last peers scan's best, else 3)")
     service.add_argument("--emulate", metavar="PROFILE", help="timed models of an emulated deployment instead of real ones, in process and in the workers: null, h200-1b, 70b-tp4 or a profile file (docs/emulation.md); every figure is then emulation")

@@ -8,6 +8,7 @@ drift lands on all systems alike.
 from __future__ import annotations
 
 import json
+import platform
 import random
 import sys
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from eyas.assets import demo_model
@@ -64,6 +66,23 @@ def prompts_for(engine: Engine, count: int, length: int, seed: int, source: str 
     return [[rng.randrange(3, engine.target.vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+def machine(engine: Engine) -> dict:
+    """Where a run was timed: the processor (or GPU), its flags that move the choice of dtype, and the torch threads."""
+    device = engine.target.runtime.device
+    if device.type == "cuda":
+        return {"device": torch.cuda.get_device_name(device), "platform": platform.platform()}
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "device": fields.get("model name") or platform.processor(),
+        "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
+        "cores": len([line for line in info.splitlines() if line.startswith("processor")]),
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+
+
 @dataclass
 class Tally:
     """What a system did over the prompts it ran: tokens, wall seconds, target forwards, acceptance, phases."""
@@ -102,9 +121,9 @@ class EyasRunner:
         self.engine, self.tree = engine, tree
 
     @classmethod
-    def load(cls, target: Path, drafter: Path, dtype: str = "auto", draft_ahead: int = 0) -> "EyasRunner":
-        """A fresh engine with `tree: auto`."""
-        return cls(Engine.from_pretrained(target, drafter, tree="auto", dtype=dtype, draft_ahead=draft_ahead))
+    def load(cls, target: Path, drafter: Path, dtype: str = "auto", draft_ahead: int = 0, tree: dict | str | None = None) -> "EyasRunner":
+        """A fresh engine with `tree` (None: the drafter's stored tree, as `Engine.from_pretrained`)."""
+        return cls(Engine.from_pretrained(target, drafter, tree=tree, dtype=dtype, draft_ahead=draft_ahead))
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Tally:
         tally = Tally()
@@ -122,8 +141,8 @@ class EyasRunner:
             tally.add_histogram(stats.accepted_length_histogram)
             for phase, seconds in stats.seconds.items():
                 tally.phases[phase] = tally.phases.get(phase, 0.0) + seconds
-        if self.tree is None and self.engine.tree == "auto":
-            tally.extra["tree_policy"] = asdict(self.engine.tuner.current)
+        if self.tree is None:
+            tally.extra["tree_policy"] = asdict(self.engine.tuner.current if self.engine.tree == "auto" else self.engine.tree)
         tally.extra["draft_dtype"] = str(self.engine.drafter.dtype).removeprefix("torch.")
         return tally
 

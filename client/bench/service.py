@@ -278,16 +278,16 @@ def run(args: argparse.Namespace) -> dict:
         None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead, emulate=args.emulate, kv_slots=slots,
         max_active=slots,
     )
-    if args.tree and args.tree != "auto":
-        config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
+    if args.tree:
+        config = replace(config, tree="auto" if args.tree == "auto" else TreePolicy(*map(int, args.tree.split(","))))
     torch.set_num_threads(1)  # as each worker runs
     if profile is not None:
         print(f"EMULATION: timed models of profile {profile.name!r} ({profile.description}; docs/emulation.md)", file=sys.stderr)
         target = drafter = f"emulated: {profile.name}"
-        make_engine = lambda ahead: Engine.emulated(profile, tree=config.tree, kv_slots=slots, draft_ahead=ahead)
+        make_engine = lambda ahead: Engine.emulated(profile, tree=config.policy, kv_slots=slots, draft_ahead=ahead)
     else:
         target, drafter = config.models()
-        make_engine = lambda ahead: Engine.from_pretrained(target, drafter, tree=config.tree, draft_ahead=ahead)
+        make_engine = lambda ahead: Engine.from_pretrained(target, drafter, tree=config.policy, draft_ahead=ahead)
     engine = make_engine(args.draft_ahead)
     ahead_off = make_engine(0) if args.draft_ahead else None
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> dict:
         return {
             "emulation": profile.summary() if profile is not None else None,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+            "models": {"target": target, "drafter": drafter, "tree": config.policy if config.policy == "auto" else vars(config.policy)},
             "requests": args.requests,
             "max_new_tokens": args.max_new_tokens,
             "ahead_sweep": ahead_sweep(config, make_engine, prompts, args),
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
         return {
             "emulation": profile.summary() if profile is not None else None,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+            "models": {"target": target, "drafter": drafter, "tree": config.policy if config.policy == "auto" else vars(config.policy)},
             "requests": args.requests,
             "max_new_tokens": args.max_new_tokens,
             "scaling": scaling(config, prompts, args),
@@ -340,10 +340,10 @@ def run(args: argparse.Namespace) -> dict:
     record = {
         "emulation": profile.summary() if profile is not None else None,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
-        "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+        "models": {"target": target, "drafter": drafter, "tree": config.policy if config.policy == "auto" else vars(config.policy)},
         "trees_chosen": {  # under auto: the service's choice per concurrency, and the in-process engine's for one request
             "service": service_tree,
-            "in_process": vars(engine.tuner.current) if config.tree == "auto" else None,
+            "in_process": vars(engine.tuner.current) if config.policy == "auto" else None,
         },
         "workers": {"draft": args.draft_workers, "target": args.target_workers},
         "draft_ahead": args.draft_ahead,

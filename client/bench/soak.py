@@ -44,8 +44,7 @@ def requests(count: int, max_new_tokens: int):
 
 def run(args: argparse.Namespace) -> dict:
     config = ServiceConfig.load(args.config, **{k: v for k, v in (("target", args.target), ("drafter", args.drafter)) if v})
-    if args.tree != "auto":
-        config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
+    config = replace(config, tree="auto" if args.tree == "auto" else TreePolicy(*map(int, args.tree.split(","))))
     samples: list[tuple[int, int]] = []
     done, failed = 0, 0
     lock = threading.Lock()

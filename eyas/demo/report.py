@@ -48,13 +48,13 @@ def acceptance(engine: Engine, prompts: list[str], tree: dict, max_new_tokens: i
 
 @torch.no_grad()
 def speed(root: Path, kind: str, prompts: list[str], max_new_tokens: int) -> dict:
-    """Tokens/s of eyas in process (this drafter, the default tree auto, one engine per temperature) against plain
+    """Tokens/s of eyas in process (this drafter, tree auto, one engine per temperature) against plain
     Hugging Face `generate` on the same prompt ids, prompt by prompt in turn, both in float32 on the CPU."""
     target = root / DRAFTER_TARGETS[kind]
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     out = {}
     for t in (0.0, *TEMPERATURES):
-        engine = Engine.from_pretrained(target, root / kind)
+        engine = Engine.from_pretrained(target, root / kind, tree="auto")
         ids = [engine.target.tokenizer.encode(p) for p in prompts]
         sample = {"do_sample": True, "temperature": t, "top_k": 0, "top_p": 1.0} if t else {"do_sample": False}
         seconds = {"eyas": 0.0, "hf": 0.0}
