@@ -108,6 +108,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_and_write("profile", args)
 
 
+RUNTIME_SECTIONS = ("verify", "context", "batch", "greedy", "ahead")
+
+
 def row_counts(text: str) -> tuple[int, ...]:
     """`1,64` -> (1, 64); each a positive integer."""
     try:
@@ -199,9 +202,13 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
     runtime = kinds.add_parser("runtime", help="the runtime against a plain HF step; batches", description=cmd_runtime.__doc__)
     runtime.add_argument("--target", help="target directory (default: the bundled demo target)")
-    runtime.add_argument("--drafter", help="drafter directory (default: the bundled demo EAGLE-3 drafter)")
+    runtime.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
     runtime.add_argument("--tree", default="auto", help='"auto" (default) or a fixed tree as width,depth,budget')
     runtime.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
+    runtime.add_argument("--draft-dtype", default="auto",
+                         help="the drafter's dtype: auto (bfloat16 beside a float32 target on a CPU with bf16 units), float32, bfloat16 or float16")
+    runtime.add_argument("--sections", nargs="+", choices=RUNTIME_SECTIONS, default=list(RUNTIME_SECTIONS),
+                         help="what to measure (default: all): verify phases, context scaling, batches, greedy against HF, drafting ahead")
     runtime.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     runtime.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the forwards of rounds (auto: on CUDA)")
     runtime.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eyas.train.corpus import collect
+from eyas.assets import DEFAULT_DRAFTER
 from eyas.engine import Engine
 from eyas.runtime.batch import pack
 from eyas.sampling import SamplingParams
 from eyas.target import TargetSession
+from eyas.train.corpus import collect
 from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.verify import decide
 
@@ -248,13 +249,15 @@ def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, tree
 AHEAD_TREES = ({"width": 1, "depth": 8, "budget": 8}, {"width": 8, "depth": 5, "budget": 32})
 
 
-def draft_ahead(target: Path, drafter: Path, prompts: list[list[int]], ahead: int, max_new_tokens: int, dtype: str) -> dict:
+def draft_ahead(
+    target: Path, drafter: Path, prompts: list[list[int]], ahead: int, max_new_tokens: int, dtype: str, draft_dtype: str
+) -> dict:
     """Hit rate of trees drafted ahead, and the acceptance of hit rounds against freshly drafted ones, per tree and
     temperature."""
     result = {}
     for tree in AHEAD_TREES:
         for temperature in (0.0, 0.7):
-            engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=dtype, draft_ahead=ahead)
+            engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=dtype, draft_ahead=ahead, draft_dtype=draft_dtype)
             rounds = hits = hit_tokens = tokens = 0
             for i, prompt in enumerate(prompts):
                 stats = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=i, stop_at_eos=False).stats
@@ -276,10 +279,12 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     suite = demo_suite(args.batch + 1)  # the last prompt settles tree auto, untimed
     target = Path(args.target) if args.target else suite.target
-    drafter = Path(args.drafter) if args.drafter else suite.drafters["eagle3"]
+    drafter = Path(args.drafter) if args.drafter else suite.drafters[DEFAULT_DRAFTER]
     tree = "auto" if args.tree == "auto" else dict(zip(("width", "depth", "budget"), map(int, args.tree.split(","))))
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
-    engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=args.dtype, device=args.device, graphs=graphs)
+    engine = Engine.from_pretrained(
+        target, drafter, tree=tree, dtype=args.dtype, device=args.device, graphs=graphs, draft_dtype=args.draft_dtype
+    )
     dtype = engine.target.runtime.dtype
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(engine.target.runtime.device).eval()
     context = heldout_ids(engine, args.short_context, 1)[0]
@@ -289,21 +294,23 @@ def run(args) -> dict:
         "config": {"target": str(target), "drafter": str(drafter), "dtype": str(dtype).removeprefix("torch."),
                    "draft_dtype": str(engine.drafter.dtype).removeprefix("torch."),
                    "device": str(engine.target.runtime.device), "tree": args.tree, "graphs": engine.target.graphs is not None},
-        "verify": verify_phases(engine, hf, context, (1, 9, 33), args.repeats),
-        "context_scaling": context_scaling(
-            engine,
-            hf,
-            heldout_ids(engine, args.short_context, args.context_prompts),
-            heldout_ids(engine, args.long_context, args.context_prompts),
-            args.max_new_tokens,
-            args.repeats,
-        ),
-        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees), args.batch_pairs),
-        "greedy_vs_hf": greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens),
     }
+    sections = set(args.sections)
+    if "verify" in sections:
+        record["verify"] = verify_phases(engine, hf, context, (1, 9, 33), args.repeats)
+    if "context" in sections:
+        short = heldout_ids(engine, args.short_context, args.context_prompts)
+        long = heldout_ids(engine, args.long_context, args.context_prompts)
+        record["context_scaling"] = context_scaling(engine, hf, short, long, args.max_new_tokens, args.repeats)
+    if "batch" in sections:
+        prompts = suite.prompts[: args.batch]
+        record["batch"] = batching(engine, prompts, args.max_new_tokens, tuple(args.batch_trees), args.batch_pairs)
+    if "greedy" in sections:
+        record["greedy_vs_hf"] = greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens)
     for name, graphs in (("target", engine.target.graphs), ("drafter", engine.draft.graphs)):
         if graphs is not None:
             record.setdefault("graphs", {})[name] = {"captured": len(graphs.captured), "capture_s": graphs.seconds}
-    if args.draft_ahead:
-        record["draft_ahead"] = draft_ahead(target, drafter, suite.prompts[: args.batch], args.draft_ahead, args.max_new_tokens, args.dtype)
+    if args.draft_ahead and "ahead" in sections:
+        prompts = suite.prompts[: args.batch]
+        record["draft_ahead"] = draft_ahead(target, drafter, prompts, args.draft_ahead, args.max_new_tokens, args.dtype, args.draft_dtype)
     return record
