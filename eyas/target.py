@@ -6,7 +6,7 @@ sit right after the committed prefix until commit (docs/runtime.md). Row maps co
 flattened tree's metadata, never from token equality.
 
 On a tensor-parallel group every rank builds a `TargetModel` on its shard; rank 0 serves and leads
-(`run` and KV moves are lockstep steps), the other ranks `follow` (docs/groups.md).
+(`run` and KV moves are steps all ranks run in the same order), the other ranks `follow` (docs/groups.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVPool
 from .runtime.linear import Linear, packs
 from .runtime.model import CausalLM, ForwardOut
-from .runtime.shard import Lockstep, Shard
+from .runtime.shard import RankSteps, Shard
 from .sampling import SamplingParams
 from .steps import Forward, Steps, run_alone
 from .tree import FlattenedTree
@@ -86,14 +86,14 @@ class TargetModel:
         kv_dtype = attention_dtype(model.dtype, model.device)
         self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
         self.bucketed = packs(model.dtype, model.device)  # batches padded to the row buckets of the oneDNN products
-        self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
+        self.ranks = RankSteps(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
         capturable = model.shard.size == 1 and not model.experts
         on_cuda = model.device.type == "cuda"
         if graphs is None:
             graphs = capturable and on_cuda
         elif graphs and not capturable:
             raise ValueError("graphs: a tensor-parallel rank or an MoE target runs its forwards eagerly")
-        self.graphs = Graphs(self._forward, model.device) if graphs else None
+        self.graphs = Graphs(self._hidden, model.device) if graphs else None
 
     @property
     def embed(self) -> torch.nn.Embedding:
@@ -184,21 +184,21 @@ class TargetModel:
     def run(self, calls: list[TargetCall]) -> list[TargetOutput]:
         """One forward over the rows of every call (each in its own slot) -> each call's logits, features, experts;
         on a group, every rank runs it."""
-        return self.lockstep.lead("run", calls)
+        return self.ranks.lead("run", calls)
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move KV rows inside a slot (a commit), on every rank of a group."""
-        self.lockstep.lead("move", slot, src, dst)
+        self.ranks.lead("move", slot, src, dst)
 
     def follow(self) -> None:
         """A rank > 0 of a group: run rank 0's steps until it stops (raises GroupError if the group breaks)."""
-        self.lockstep.follow()
+        self.ranks.follow()
 
     def stop(self) -> None:
         """Rank 0 of a group: release the other ranks from `follow`."""
-        self.lockstep.stop()
+        self.ranks.stop()
 
-    def _forward(self, packed: Packed) -> list[torch.Tensor]:
+    def _hidden(self, packed: Packed) -> list[torch.Tensor]:
         """The layers over a packed batch -> hidden [B, N, d] and the taps, each [B, N, d] (what a graph captures)."""
         out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
         return [out.hidden, *out.taps]
@@ -259,7 +259,7 @@ class TargetSession:
         if version != self.version:
             raise VersionError("target cache", self.version, version)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> Forward:
+    def _ask(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> Forward:
         self.model.pool.check_fits(self.committed + tokens.shape[0])
         return Forward(self.model, self.model.call(self.slot, self.committed, tokens, positions, rows_mask, with_logits))
 
@@ -278,7 +278,7 @@ class TargetSession:
         if not tokens:
             return torch.empty(0, self.model.feature_width)
         n = len(tokens)
-        out = yield self._forward(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
+        out = yield self._ask(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
         self.committed = n
         return out.features
 
@@ -294,7 +294,7 @@ class TargetSession:
         """
         self._check_version(version)
         self.provisional = 0
-        out = yield self._forward(tree.tokens, tree.positions, tree.mask, True)
+        out = yield self._ask(tree.tokens, tree.positions, tree.mask, True)
         self.provisional = tree.num_rows
         logits = out.logits.cpu()
         decision, row_probs = decide(tree, logits, params)

@@ -172,7 +172,7 @@ def join_group(
     return Shard(rank, size, dist.group.WORLD, control)
 
 
-class Lockstep:
+class RankSteps:
     """Rank 0 broadcasts each step (an op name and its arguments) before running it; the other ranks run the
     steps they receive in the same order, so every collective inside a step meets on every rank.
 
