@@ -25,7 +25,7 @@ from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, 
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
-from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, split_rows
+from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
@@ -236,15 +236,22 @@ class DraftModel:
         """The drafter pass over a packed batch -> [next states [B, N, d]] (what a graph captures)."""
         return [self.served(packed)]
 
+    def _states(self, calls: list[RowsCall]) -> list[torch.Tensor]:
+        """One drafter pass over `calls` -> each call's next states [N, d]."""
+        shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
+        packed = pack(calls, self.pool, self.bucketed, shape)
+        (out,) = self.graphs.run(packed) if shape else self._step(packed)  # [B, N, d]
+        return split_rows(packed.rows(out), packed.lengths)
+
     @torch.no_grad()
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
         """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
         their rows' top-k candidates (one LM-head pass over the rows of all of them)."""
         calls = self._seeded(calls)
-        shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
-        packed = pack(calls, self.pool, self.bucketed, shape)
-        (out,) = self.graphs.run(packed) if shape else self._step(packed)  # [B, N, d]
-        states = split_rows(packed.rows(out), packed.lengths)
+        by_call = {}
+        for group in padding_groups([self.rows(c) for c in calls]):
+            by_call.update(zip(group, self._states([calls[i] for i in group])))
+        states = [by_call[i] for i in range(len(calls))]
         results = [DraftRows(s) for s in states]
         asking = [i for i, c in enumerate(calls) if c.top_k]
         if asking:

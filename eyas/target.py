@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from .errors import VersionError
 from .manifest import FeatureAddress, TargetFingerprint, fingerprint_target
 from .rounds import Verification
-from .runtime.batch import Packed, RowsCall, pack, split_rows
+from .runtime.batch import Packed, RowsCall, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVPool
@@ -205,10 +205,20 @@ class TargetModel:
 
     @torch.no_grad()
     def run_local(self, calls: list[TargetCall]) -> list[TargetOutput]:
-        """`run` on this rank's shard."""
-        rows_calls = [c.rows for c in calls]
-        shape = self.graphs.shape(rows_calls, self.pool.slot_len) if self.graphs else None
-        packed = pack(rows_calls, self.pool, self.bucketed, shape)
+        """`run` on this rank's shard: the layers over each group of calls that pads little (`padding_groups`), then
+        one LM-head product over the rows of every call that wants logits."""
+        by_call = {}
+        for group in padding_groups([self.rows(c) for c in calls]):
+            by_call.update(zip(group, self._layers([calls[i].rows for i in group])))
+        outs = [by_call[i] for i in range(len(calls))]
+        wanted = [hidden for c, (hidden, _, _) in zip(calls, outs) if c.with_logits]
+        logits = iter(split_rows(self.runtime.logits(torch.cat(wanted)), [h.shape[0] for h in wanted]) if wanted else ())
+        return [TargetOutput(next(logits) if c.with_logits else None, feats, experts) for c, (_, feats, experts) in zip(calls, outs)]
+
+    def _layers(self, calls: list[RowsCall]) -> list[tuple[torch.Tensor, torch.Tensor, frozenset]]:
+        """One forward over `calls` -> each call's hidden [N, d], features [N, F] and MoE experts."""
+        shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
+        packed = pack(calls, self.pool, self.bucketed, shape)
         if shape is None:
             out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
         else:
@@ -216,19 +226,12 @@ class TargetModel:
             out = ForwardOut(hidden, taps, [])  # graphs run dense targets only: no experts routed
         hidden = packed.rows(out.hidden)  # [R, d]
         features = hidden if not self.taps else torch.cat([packed.rows(t) for t in out.taps], dim=-1)  # [R, F]
-        logit_rows = [n if c.with_logits else 0 for c, n in zip(calls, packed.lengths)]
-        if any(logit_rows):
-            wanted = torch.cat([h for h, n in zip(split_rows(hidden, packed.lengths), logit_rows) if n])
-            logits = iter(split_rows(self.runtime.logits(wanted), [n for n in logit_rows if n]))  # [R', V]
         routed = [packed.rows(r) for r in out.routed]  # per MoE layer [R, top_k]
-        results = []
-        for b, feats in enumerate(split_rows(features, packed.lengths)):
-            experts = frozenset()
-            if routed:
-                start, n = sum(packed.lengths[:b]), packed.lengths[b]
-                experts = frozenset((layer, int(e)) for layer, r in enumerate(routed) for e in r[start : start + n].unique().tolist())
-            results.append(TargetOutput(next(logits) if logit_rows[b] else None, feats, experts))
-        return results
+        experts = []
+        for b, n in enumerate(packed.lengths):
+            start = sum(packed.lengths[:b])
+            experts.append(frozenset((layer, int(e)) for layer, r in enumerate(routed) for e in r[start : start + n].unique().tolist()))
+        return list(zip(split_rows(hidden, packed.lengths), split_rows(features, packed.lengths), experts))
 
     def kv_row_bytes(self) -> int:
         return self.pool.row_bytes

@@ -25,6 +25,7 @@ from .kv import KVPool, SlotBatch
 from .linear import bucketed_rows
 
 MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
+PAD_ROWS, PAD_SHARE = 64, 0.25  # padding a batch may add: this many rows, or this share of its rows if more
 
 
 @dataclass
@@ -125,6 +126,24 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tup
             states[e, :m] = call.states
     states = None if states is None else states.to(device)
     return Packed(tokens.to(device), positions.to(device), mask.to(device), states, lengths, entries, kv)
+
+
+def padding_groups(lengths: list[int]) -> list[list[int]]:
+    """Calls of `lengths` rows (by index) in groups, longest first, each padding its calls to its longest by at most
+    PAD_ROWS rows or PAD_SHARE of its rows: each group is one forward, so a prefill runs apart from trees rather than
+    padding every tree to its length."""
+    groups: list[list[int]] = []
+    rows = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]]
+            if padded - rows - lengths[i] <= max(PAD_ROWS, PAD_SHARE * (rows + lengths[i])):
+                groups[-1].append(i)
+                rows += lengths[i]
+                continue
+        groups.append([i])
+        rows = lengths[i]
+    return groups
 
 
 def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
