@@ -31,7 +31,7 @@ from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
 from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
-from .runtime.script import script
+from .runtime.script import script, unoptimized
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
@@ -159,6 +159,7 @@ class ServedStep:
             return eagle3_step(*head, *self.norms, *tail)
         return eagle1_step(*head, self.fc.weight, self.fc.bias, self.fc.packed, *tail)
 
+    @unoptimized
     def candidates(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Q, d] states -> (target token ids [Q, k], conditional probabilities [Q, k] float64), best first."""
         if self.layer is None:
@@ -244,6 +245,7 @@ class DraftModel:
         return split_rows(packed.rows(out), packed.lengths)
 
     @torch.no_grad()
+    @unoptimized
     def run(self, calls: list[RowsCall]) -> list[DraftRows]:
         """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
         their rows' top-k candidates (one LM-head pass over the rows of all of them)."""

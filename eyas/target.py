@@ -27,6 +27,7 @@ from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVPool
 from .runtime.linear import Linear, packs
 from .runtime.model import CausalLM, ForwardOut
+from .runtime.script import unoptimized
 from .runtime.shard import RankSteps, Shard
 from .sampling import SamplingParams
 from .steps import Forward, Steps, run_alone
@@ -204,6 +205,7 @@ class TargetModel:
         return [out.hidden, *out.taps]
 
     @torch.no_grad()
+    @unoptimized
     def run_local(self, calls: list[TargetCall]) -> list[TargetOutput]:
         """`run` on this rank's shard: the layers over each group of calls that pads little (`padding_groups`), then
         one LM-head product over the rows of every call that wants logits."""

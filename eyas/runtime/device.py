@@ -55,6 +55,13 @@ def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, dtype: torch.dtyp
     return resolve_dtype(draft_dtype, device)
 
 
+def prepare(device: torch.device) -> None:
+    """Set the process-wide torch options the runtime's forwards on `device` need; an engine or a worker calls it
+    once at start (docs/runtime.md, "Process settings"). On CUDA: cuDNN's attention off."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV pool's dtype: the model's on CUDA; float32 on CPU, where half-precision attention kernels
     are several times slower than float32 ones at long contexts (k and v are stored exactly)."""
