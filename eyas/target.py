@@ -1,13 +1,6 @@
-"""The target adapter: a frozen Llama-family target on eyas's runtime that prefills, verifies trees and commits.
-
-`TargetModel` owns the weights, the feature taps and the worker's KV pool; `TargetSession` owns one
-request's slot in that pool, its committed length and version, and the provisional tree rows that
-sit right after the committed prefix until commit (docs/runtime.md). Row maps come from the
-flattened tree's metadata, never from token equality.
-
-On a tensor-parallel group every rank builds a `TargetModel` on its shard; rank 0 serves and leads
-(`run` and KV moves are steps all ranks run in the same order), the other ranks `follow` (docs/groups.md).
-"""
+"""The target on eyas's runtime: `TargetModel` (weights, feature taps, the KV pool) and `TargetSession` (one
+request's slot, committed rows, version and provisional tree rows; docs/runtime.md, "The KV pool"). In a
+tensor-parallel group rank 0 leads and the other ranks `follow` (docs/groups.md)."""
 
 from __future__ import annotations
 
@@ -67,9 +60,8 @@ class TargetModel:
         max_seq_len: int | None = None,
         graphs: bool | None = None,
     ):
-        """`graphs`: run the forwards of rounds as CUDA graphs (runtime/graphs.py); None: where the model is on CUDA,
-        whole and dense (a group's collectives and MoE routing are not captured); True on a CPU runs the same
-        fixed-shape batches eagerly."""
+        """`graphs`: the forwards as CUDA graphs (None: on CUDA for a whole, dense model; True on a CPU: the same
+        fixed-shape batches, eagerly)."""
         self.runtime = model
         self.config = model.config
         self.num_layers = model.num_layers
@@ -86,7 +78,7 @@ class TargetModel:
         slot_len = self.max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(model.dtype, model.device)
         self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
-        self.bucketed = packs(model.dtype, model.device)  # batches padded to the row buckets of the oneDNN products
+        self.bucketed = packs(model.dtype, model.device)  # batches padded to oneDNN's row buckets
         self.ranks = RankSteps(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
         capturable = model.shard.size == 1 and not model.experts
         on_cuda = model.device.type == "cuda"
@@ -112,8 +104,7 @@ class TargetModel:
 
     @property
     def head(self) -> Linear:
-        """The LM head as verification multiplies by it (with its oneDNN copy on a CPU), for a drafter bound to this
-        target in the same process to share (a whole model only)."""
+        """The LM head as verification multiplies by it, for a drafter bound to this target in process to share."""
         self._check_whole("head")
         return self.runtime.head
 
@@ -133,8 +124,8 @@ class TargetModel:
         shard: Shard = Shard(),
         graphs: bool | None = None,
     ) -> "TargetModel":
-        """Load a target checkpoint directory (with its tokenizer when present) and fingerprint it; a rank of a
-        tensor-parallel group loads its `shard`."""
+        """Load a target directory (and its tokenizer when present) and fingerprint it; a group's rank loads its
+        `shard`."""
         path = Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -183,8 +174,7 @@ class TargetModel:
         return int(call.rows.tokens.shape[0])
 
     def run(self, calls: list[TargetCall]) -> list[TargetOutput]:
-        """One forward over the rows of every call (each in its own slot) -> each call's logits, features, experts;
-        on a group, every rank runs it."""
+        """The rows of every call (each in its own slot) -> each call's logits, features, experts; on every rank."""
         return self.ranks.lead("run", calls)
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -273,10 +263,7 @@ class TargetSession:
         return run_alone(self.prefill_steps(version, tokens))
 
     def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]:
-        """Commit the KV of `tokens` (everything before the next tree root) at the request's `version`.
-
-        Returns their features [n, F]. Also rebuilds a lost session from a request's committed tokens.
-        """
+        """Commit the KV of `tokens` (everything before the next tree root) at `version` -> their features [n, F]."""
         if self.committed or self.provisional:
             raise RuntimeError("prefill runs once, on an empty target session")
         self.version = version
@@ -292,11 +279,8 @@ class TargetSession:
         return run_alone(self.verify_steps(tree, version, params))
 
     def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
-        """Verify a tree built on `version`: its rows stay provisional until `commit`.
-
-        The tree is trusted: the engine's own proposer builds valid trees, and a tree from outside (a
-        worker call, a trace) passes `validate_tree` against `committed` once where it enters.
-        """
+        """Verify a tree built on `version` (trusted: a tree from outside passes `validate_tree` where it enters); its
+        rows stay provisional until `commit`."""
         self._check_version(version)
         self.provisional = 0
         out = yield self._ask(tree.tokens, tree.positions, tree.mask, True)
