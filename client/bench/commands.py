@@ -1,5 +1,5 @@
-"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, forward, trace, groups, failover, profile;
-each writes one JSON record."""
+"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, script, forward, trace, groups, failover,
+profile; each writes one JSON record."""
 
 from __future__ import annotations
 
@@ -84,6 +84,11 @@ def cmd_runtime(args: argparse.Namespace) -> int:
     return run_and_write("runtime", args)
 
 
+def cmd_script(args: argparse.Namespace) -> int:
+    """The runtime's forwards eager, as TorchScript and through torch.compile, measured in turns in one run."""
+    return run_and_write("script", args)
+
+
 def cmd_forward(args: argparse.Namespace) -> int:
     """One forward's cost on a random-weight Llama (~1B): a plain HF step against eyas's 1-row and tree forwards,
     CUDA graphs off and on."""
@@ -134,8 +139,8 @@ def pool_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `eyas bench peers|tree|service|soak|runtime|forward|trace|groups|failover|profile` on the top-level
-    parser's subcommands."""
+    """Register `eyas bench peers|tree|service|soak|runtime|script|forward|trace|groups|failover|profile` on the
+    top-level parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -233,6 +238,18 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     forward.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     forward.add_argument("--json", help="where the JSON record goes (default: stdout)")
     forward.set_defaults(func=cmd_forward)
+
+    script = kinds.add_parser("script", help="the forwards eager, as TorchScript and through torch.compile", description=cmd_script.__doc__)
+    script.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=("eagle1", "hass", "eagle3"))
+    script.add_argument("--tree", default="2,4,6", help="the fixed tree of the whole requests, as width,depth,budget")
+    script.add_argument("--context", type=int, default=100, help="committed tokens the single forwards run on")
+    script.add_argument("--prompts", type=int, default=4, help="held-out prompts of the whole requests")
+    script.add_argument("--max-new-tokens", type=int, default=48)
+    script.add_argument("--turns", type=int, default=6, help="turns of every mode in a rotating order")
+    script.add_argument("--repeats", type=int, default=20, help="timed calls per forward and turn")
+    script.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
+    script.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    script.set_defaults(func=cmd_script)
 
     trace = kinds.add_parser("trace", help="what tracing costs per round", description=cmd_trace.__doc__)
     trace.add_argument("--target", help="target directory (default: the bundled demo target)")
