@@ -217,6 +217,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     runtime.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     runtime.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the forwards of rounds (auto: on CUDA)")
     runtime.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    runtime.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                         help="wall time, or this thread's CPU time (with --threads 1: the work done on a shared machine)")
     runtime.add_argument("--short-context", type=int, default=100)
     runtime.add_argument("--long-context", type=int, default=1700)
     runtime.add_argument("--context-prompts", type=int, default=3, help="prompts per context length")
