@@ -136,6 +136,14 @@ def test_merged_calls_of_one_slot_give_each_call_what_it_gets_alone(world):
         draft.pool.release(slot)
 
 
+def assert_each_as_alone(model, calls, together):
+    """Every call's logits and features in `together` equal the call run by itself."""
+    for call, many in zip(calls, together):
+        one = model.run([call])[0]
+        assert torch.allclose(one.logits, many.logits, atol=1e-5)
+        assert torch.allclose(one.features, many.features, atol=1e-5)
+
+
 def test_a_batch_over_scattered_slots_gives_each_call_what_it_gets_alone(world):
     """Calls on slots out of order and with gaps between them (requests that finished leave holes) read each run of
     consecutive slots as one view of the pool: every call's logits and features equal the call run by itself."""
@@ -153,11 +161,7 @@ def test_a_batch_over_scattered_slots_gives_each_call_what_it_gets_alone(world):
             rows_mask = torch.ones(n, n).tril().bool()
             rows_mask[n - 1, 0] = n < 3  # a tree row that does not see its elder sibling
             calls.append(model.call(slot, prefix, torch.randint(0, 90, (n,), generator=generator), torch.arange(prefix, prefix + n), rows_mask))
-        alone = [model.run([call])[0] for call in calls]
-        together = model.run(calls)
-        for one, many in zip(alone, together):
-            assert torch.allclose(one.logits, many.logits, atol=1e-5)
-            assert torch.allclose(one.features, many.features, atol=1e-5)
+        assert_each_as_alone(model, calls, model.run(calls))
     finally:
         for slot in slots:
             model.pool.release(slot)
@@ -177,16 +181,13 @@ def test_a_prefill_beside_trees_runs_apart_and_each_call_gets_what_it_gets_alone
             model.run([model.call(slot, 0, torch.randint(0, 90, (6,), generator=generator), torch.arange(6), torch.ones(6, 6).tril().bool())])
         calls = [model.call(slot, 6, torch.randint(0, 90, (3,), generator=generator), torch.arange(6, 9), torch.ones(3, 3).tril().bool()) for slot in slots[:3]]
         calls.insert(1, model.call(slots[3], 0, torch.randint(0, 90, (90,), generator=generator), torch.arange(90), torch.ones(90, 90).tril().bool()))
-        alone = [model.run([call])[0] for call in calls]
         entries = []
         forward = model.runtime.forward
         model.runtime.forward = lambda tokens, *args: entries.append(tokens.shape[0]) or forward(tokens, *args)
         together = model.run(calls)
         del model.runtime.forward
         assert sorted(entries) == [1, 3]
-        for one, many in zip(alone, together):
-            assert torch.allclose(one.logits, many.logits, atol=1e-5)
-            assert torch.allclose(one.features, many.features, atol=1e-5)
+        assert_each_as_alone(model, calls, together)
     finally:
         for slot in slots:
             model.pool.release(slot)
