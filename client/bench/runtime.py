@@ -27,7 +27,7 @@ from eyas.assets import DEFAULT_DRAFTER
 from eyas.engine import Engine
 from eyas.runtime.batch import pack
 from eyas.sampling import SamplingParams
-from eyas.target import TargetSession
+from eyas.target import TargetModel, TargetSession
 from eyas.train.corpus import collect
 from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.verify import decide
@@ -112,6 +112,23 @@ def greedy_vs_hf(engine: Engine, hf: torch.nn.Module, prompts: list[list[int]], 
     return {"prompts": len(prompts), "identical": same, "tokens_before_first_difference": agreed / (len(prompts) * max_new_tokens)}
 
 
+def chain_call(target: TargetModel, session: TargetSession, rows: int):
+    """A chain of `rows` rows on `session`'s committed tokens, and the target call that verifies it."""
+    tree = chain_tree(7, rows, session.committed)
+    return tree, target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+
+
+def verify_ms(engine: Engine, context: list[int], rows: int, repeats: int) -> float:
+    """Median milliseconds of the target's forward verifying a chain of `rows` rows on `context`."""
+    session = TargetSession(engine.target)
+    try:
+        session.prefill(0, context)
+        _, call = chain_call(engine.target, session, rows)
+        return median_ms(lambda: engine.target.run([call]), repeats)
+    finally:
+        session.close()
+
+
 def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_list: tuple[int, ...], repeats: int) -> dict:
     """The verify forward of each row count on `context`, by phase, against one plain HF step."""
     target = engine.target
@@ -121,8 +138,7 @@ def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_
     entries = []
     try:
         for rows in rows_list:
-            tree = chain_tree(context[-1], rows, len(context))
-            call = target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+            tree, call = chain_call(target, session, rows)
             packed = pack([call.rows], target.pool, target.bucketed)
             out = target.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, target.taps)
             logits = target.runtime.logits(packed.rows(out.hidden)).cpu()
@@ -164,8 +180,10 @@ def context_scaling(
 ) -> dict:
     """Round time on long contexts over short ones, against the same ratio for one plain HF step. Both contexts
     draft with one tree (with `tree: auto`, the one it chose for a lone request): a round's cost, not the tuner's
-    choice of tree, is what is compared."""
+    choice of tree, is what is compared. Also the target's verify forward of 1 row and of the tree's rows at both
+    contexts, the part of a round that reads the whole context in every layer."""
     tree = engine.tuner.current if engine.tree == "auto" else None
+    rows = (1, (tree or engine.tree).budget + 1)
     result = {"tree": None if tree is None else vars(tree)}
     for name, contexts in (("short", short), ("long", long)):
         if engine.target.graphs is not None:
@@ -176,9 +194,11 @@ def context_scaling(
             "round_ms": ms,
             "tokens_per_round": tokens,
             "plain_step_ms": statistics.median(median_ms(PlainStep(hf, c), repeats) for c in contexts),
+            "verify_ms": {f"{n}_rows": statistics.median(verify_ms(engine, c, n, repeats) for c in contexts) for n in rows},
         }
     result["round_ratio"] = result["long"]["round_ms"] / result["short"]["round_ms"]
     result["plain_step_ratio"] = result["long"]["plain_step_ms"] / result["short"]["plain_step_ms"]
+    result["verify_ratio"] = {k: result["long"]["verify_ms"][k] / v for k, v in result["short"]["verify_ms"].items()}
     result["goal_met"] = result["round_ratio"] <= result["plain_step_ratio"]
     return result
 

@@ -25,10 +25,11 @@ import eyas.runtime.model as model_module
 from eyas.assets import demo_model
 from eyas.engine import Engine
 from eyas.runtime.batch import RowsCall
+from eyas.runtime.script import script
 from eyas.target import TargetSession
 
 from .harness import demo_suite
-from .runtime import chain_tree, heldout_ids
+from .runtime import chain_call, heldout_ids
 
 MODES = ("eager", "script", "compile")
 # (module, name) of every function a forward runs as one unit, and whether a forward enters it from Python
@@ -63,7 +64,7 @@ class Modes:
     def functions(self, mode: str) -> dict[tuple[ModuleType, str], Callable]:
         if mode not in self.built:
             if mode == "script":
-                self.built[mode] = {key: torch.jit.script(fn) for key, fn in self.eager.items()}
+                self.built[mode] = {key: script(fn) for key, fn in self.eager.items()}
             else:
                 allow_opaque_products()
                 entered = {(module, name) for module, name, entry in FUNCTIONS if entry}
@@ -113,8 +114,7 @@ def workloads(engines: dict[str, Engine], context: list[int], prompts: list[list
     session.prefill(0, context)
     jobs: dict[str, Callable] = {}
     for rows in (1, 7, 33):
-        tree = chain_tree(context[-1], rows, len(context))
-        call = target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+        _, call = chain_call(target, session, rows)
         jobs[f"verify_{rows}"] = lambda call=call: target.run([call])
     for dtype, engine in engines.items():
         draft = engine.draft
