@@ -19,7 +19,7 @@ from .kv import KVPool, SlotBatch
 from .linear import bucketed_rows
 
 MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
-PAD_ROWS, PAD_SHARE = 64, 0.25  # padding a batch may add: this many rows, or this share of its rows if more
+PAD_ROWS = 64  # rows of padding one forward may carry; calls past it run in a forward of their own
 
 
 @dataclass
@@ -121,14 +121,14 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tup
 
 def padding_groups(lengths: list[int]) -> list[list[int]]:
     """Calls of `lengths` rows (by index) in groups, longest first, each padding its calls to its longest by at most
-    PAD_ROWS rows or PAD_SHARE of its rows: each group is one forward, so a prefill runs apart from trees rather than
-    padding every tree to its length."""
+    PAD_ROWS rows in all: each group is one forward, so a prefill runs apart from trees rather than padding every
+    tree to its length."""
     groups: list[list[int]] = []
     rows = 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if groups:
             padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]]
-            if padded - rows - lengths[i] <= max(PAD_ROWS, PAD_SHARE * (rows + lengths[i])):
+            if padded - rows - lengths[i] <= PAD_ROWS:
                 groups[-1].append(i)
                 rows += lengths[i]
                 continue
