@@ -17,7 +17,7 @@ from eyas import Engine
 from eyas.client.bench.harness import Suite, write_charts
 from eyas.client.bench.forward import run as forward_bench
 from eyas.client.bench.peers import DEFAULT_VLLM_K, K_SCAN_FILE, choose_vllm_k, run_bench
-from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, verify_phases
+from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, spread, verify_phases
 from eyas.client.bench.script import Modes
 from eyas.runtime import model as model_module
 from eyas.target import TargetSession
@@ -84,6 +84,7 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     counted = batching(auto, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6)["tree_auto"]
     assert counted["exploring_rounds_one_at_a_time"] > 0  # a fresh tuner's first exploration
     assert counted["exploring_rounds_one_at_a_time"] + counted["exploring_rounds_batch"] == auto.tuner.explorations
+    assert spread("20,300", 8) == [20, 100, 180, 260, 60, 140, 220, 300]  # prompts of mixed lengths, short and long mixed
     exact = greedy_vs_hf(engine, hf, [[5, 6, 7], [8, 9]], max_new_tokens=6)
     assert exact == {"prompts": 2, "identical": 2, "tokens_before_first_difference": 1.0}
     assert engine.target.pool.free_slots == engine.target.pool.slots

@@ -223,6 +223,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     runtime.add_argument("--long-context", type=int, default=1700)
     runtime.add_argument("--context-prompts", type=int, default=3, help="prompts per context length")
     runtime.add_argument("--batch", type=int, default=8, help="requests in the generate_batch measurement")
+    runtime.add_argument("--batch-lengths", metavar="LOW,HIGH",
+                         help="the batch's prompts as held-out text windows of LOW to HIGH tokens (default: the suite's prompts)")
     runtime.add_argument("--batch-trees", nargs="*", default=["1,2,2", "1,4,4"], help="fixed trees (width,depth,budget) the batch also runs with, against the same one-at-a-time baseline")
     runtime.add_argument("--batch-pairs", type=int, default=3, help="interleaved pairs of one-at-a-time and batch runs (the record gives each and their medians)")
     runtime.add_argument("--max-new-tokens", type=int, default=64)

@@ -56,12 +56,25 @@ def median_ms(run: Callable[[], object], repeats: int) -> float:
 
 def heldout_ids(engine: Engine, length: int, count: int) -> list[list[int]]:
     """`count` windows of `length` tokens from the held-out standard-library modules."""
+    return heldout_windows(engine, [length] * count)
+
+
+def heldout_windows(engine: Engine, lengths: list[int]) -> list[list[int]]:
+    """Consecutive windows of the held-out standard-library modules' tokens, one of each length."""
     ids = []
     for doc in collect().heldout:
         ids += engine.tokenize(doc.text)
-        if len(ids) >= length * count:
+        if len(ids) >= sum(lengths):
             break
-    return [ids[i * length : (i + 1) * length] for i in range(count)]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [ids[start : start + n] for start, n in zip(starts, lengths)]
+
+
+def spread(bounds: str, count: int) -> list[int]:
+    """"20,300" and 8 -> 8 lengths from 20 to 300, evenly spread, in an order that mixes short and long."""
+    low, high = (int(b) for b in bounds.split(","))
+    lengths = [round(low + (high - low) * i / max(count - 1, 1)) for i in range(count)]
+    return lengths[::2] + lengths[1::2]
 
 
 def chain_tree(root: int, rows: int, prefix_len: int):
@@ -335,7 +348,10 @@ def run(args) -> dict:
         record["context_scaling"] = context_scaling(engine, hf, short, long, args.max_new_tokens, args.repeats)
     if "batch" in sections:
         prompts = suite.prompts[: args.batch]
+        if args.batch_lengths:
+            prompts = heldout_windows(engine, spread(args.batch_lengths, args.batch))
         record["batch"] = batching(engine, prompts, args.max_new_tokens, tuple(args.batch_trees), args.batch_pairs)
+        record["batch"]["prompt_tokens"] = [len(p) for p in prompts]
     if "greedy" in sections:
         record["greedy_vs_hf"] = greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens)
     for name, graphs in (("target", engine.target.graphs), ("drafter", engine.draft.graphs)):
