@@ -32,7 +32,7 @@ from eyas.request import eos_token_ids
 from eyas.errors import VersionError
 from eyas.pairing import plan_drafter, target_num_layers
 from eyas.pairing import DrafterPlan
-from eyas.runtime.device import resolve_dtype, stored_dtype
+from eyas.runtime.device import prepare, resolve_dtype, stored_dtype
 from eyas.runtime.shard import Shard, join_group, open_rendezvous
 from eyas.steps import Steps
 from eyas.target import TargetModel, TargetSession
@@ -92,6 +92,7 @@ class TargetRank:
     async def start(self, host: str, port: int) -> RankInfo:
         """Join the group at rank 0's rendezvous and load this rank's shard."""
         torch.set_num_threads(self.spec.threads)
+        prepare(self.device)
         hf_logging.disable_progress_bar()
 
         def load() -> RankInfo:

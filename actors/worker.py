@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 
 from eyas.manifest import Manifest
 from eyas.runtime.batch import Scheduler
+from eyas.runtime.device import prepare
 from eyas.steps import Steps
 from eyas.tree import TreeError, TreePolicy
 from eyas.v1 import round_pb2 as pb
@@ -197,6 +198,7 @@ class Worker:
         if not self.spec.token:
             raise WorkerStartError("token: a worker needs its service's credential (WorkerSpec.token)")
         torch.set_num_threads(self.spec.threads)
+        prepare(self.device)
         hf_logging.disable_progress_bar()
         try:
             await asyncio.to_thread(self.load)

@@ -26,7 +26,7 @@ from .proposer import DraftModel, DraftSession
 from .request import RequestState, StopRules, eos_token_ids, make_sampling, prompt_within, tokenize_prompt
 from .rounds import RoundRecord, round_steps, start_steps
 from .runtime.batch import Lockstep, Operation, results
-from .runtime.device import resolve_device, resolve_draft_dtype, resolve_dtype, stored_dtype
+from .runtime.device import prepare, resolve_device, resolve_draft_dtype, resolve_dtype, stored_dtype
 from .runtime.kv import TREE_HEADROOM
 from .stats import GenerationStats
 from .steps import Steps
@@ -82,6 +82,8 @@ class Engine:
     ):
         """`draft_ahead`: trees drafted ahead, during each verification, for its likeliest outcomes (0: off);
         `graphs`: the drafter's passes as CUDA graphs (None: on CUDA; see DraftModel)."""
+        prepare(target.runtime.device)
+        prepare(drafter.device)
         self.target = target
         self.draft_ahead = draft_ahead
         self.graphs = graphs

@@ -1,10 +1,5 @@
-"""The draft side of a round: one request's draft KV and the EAGLE-2 tree it proposes.
-
-Draft KV rows are committed only for verified target features (seed and reseed rows); the
-rows a tree expansion adds are provisional and are dropped at the next reseed or proposal.
-A committed draft row t holds (feature f_t, advanced token x_{t+1}) at position t, so the
-committed draft length always equals the target's committed prefix.
-"""
+"""The draft side of a round: one request's draft KV and the EAGLE-2 tree it proposes (docs/runtime.md, "The KV
+pool"; "Drafting ahead"). A committed draft row t holds (feature f_t, advanced token x_{t+1}) at position t."""
 
 from __future__ import annotations
 
@@ -25,18 +20,18 @@ from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, 
 from .errors import VersionError
 from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
-from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, split_rows
+from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
 from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
-from .runtime.script import script
+from .runtime.script import script, unoptimized
 from .steps import Forward, Steps, run_alone
 from .tree import DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
 
-# runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`); done when it is
+# runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`)
 AheadRunner = Callable[[Steps[None], Callable[[], str]], Future]
 
 
@@ -50,8 +45,7 @@ class DraftRows:
 
 
 def served_weights(attn: Attention, mlp: MLP, post_norm: RMSNorm) -> tuple[AttentionWeights, MLPWeights]:
-    """Frozen copies of a drafter layer's weights for the runtime's scripted blocks: q/k/v as one product, gate/up as
-    one, the post-attention norm applied inside the MLP block (inference only from here)."""
+    """Frozen copies of a drafter layer's weights for the runtime's blocks, q/k/v and gate/up fused."""
     qkv = Linear(*frozen_product([attn.q_proj, attn.k_proj, attn.v_proj]))
     o = Linear(*frozen_product([attn.o_proj]))
     gate_up = Linear(*frozen_product([mlp.gate_proj, mlp.up_proj]))
@@ -66,8 +60,8 @@ def eagle1_step(
     fc_packed: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, kv: Optional[torch.Tensor], writes: Optional[Writes],
     attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float,
 ) -> torch.Tensor:
-    """EAGLE-1's step in one call (eyas.drafters.eagle1.Eagle1Drafter.step, bitwise): states [B, N, d] and the
-    advanced tokens [B, N] -> fc over [embedding; state] [B, N, 2d] -> the decoder layer over the pool -> [B, N, d]."""
+    """`Eagle1Drafter.step`, bitwise: states [B, N, d], tokens [B, N] -> fc over [embedding; state] [B, N, 2d] -> the
+    decoder layer over the pool -> [B, N, d]."""
     x = linear(torch.cat([F.embedding(tokens, embed), states], dim=-1), fc_weight, fc_bias, fc_packed)  # [B, N, d]
     at = AttentionInputs(cos[positions].unsqueeze(2), sin[positions].unsqueeze(2), mask, kv, writes)  # tables [P, hd] -> [B, N, 1, hd]
     return residual_layer(x, x, attention, mlp, heads, kv_heads, act, eps, at, 0)
@@ -79,8 +73,8 @@ def eagle3_step(
     cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, kv: Optional[torch.Tensor], writes: Optional[Writes],
     attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float,
 ) -> torch.Tensor:
-    """EAGLE-3's step in one call (eyas.drafters.eagle3.Eagle3Drafter.step, bitwise): the midlayer's attention reads
-    [normed embedding; normed state] [B, N, 2d] and adds to the state [B, N, d], then + MLP -> [B, N, d]."""
+    """`Eagle3Drafter.step`, bitwise: states [B, N, d], tokens [B, N] -> the state + attention over [normed
+    embedding; normed state] [B, N, 2d], then + MLP -> [B, N, d]."""
     x = torch.cat([rms_norm(F.embedding(tokens, embed), input_norm, eps), rms_norm(states, hidden_norm, eps)], dim=-1)  # [B, N, 2d]
     at = AttentionInputs(cos[positions].unsqueeze(2), sin[positions].unsqueeze(2), mask, kv, writes)  # tables [P, hd] -> [B, N, 1, hd]
     return residual_layer(x, states, attention, mlp, heads, kv_heads, act, eps, at, 0)
@@ -106,15 +100,14 @@ def eagle3_candidates(
 
 
 def decoder_layer(drafter: Drafter) -> Eagle1Layer | Eagle3Layer | None:
-    """The one decoder layer of an EAGLE-1 (or HASS) or EAGLE-3 drafter, which a `ServedStep` runs as fused copies;
-    None for another drafter, which steps through its own modules."""
+    """The decoder layer of an EAGLE-1 (or HASS) or EAGLE-3 drafter, which a `ServedStep` runs; None for another."""
     if isinstance(drafter, Eagle3Drafter):
         return drafter.midlayer
     return drafter.layers[0] if isinstance(drafter, Eagle1Drafter) else None
 
 
 def layer_products(layer: Eagle1Layer | Eagle3Layer | None) -> frozenset[int]:
-    """The ids of a decoder layer's linear layers, which a `ServedStep` multiplies by fused copies of."""
+    """The ids of a decoder layer's linear layers (a `ServedStep` multiplies by fused copies of them)."""
     if layer is None:
         return frozenset()
     attn, mlp = layer.self_attn, layer.mlp
@@ -122,16 +115,11 @@ def layer_products(layer: Eagle1Layer | Eagle3Layer | None) -> frozenset[int]:
 
 
 class ServedStep:
-    """A drafter's step and its top-k candidates, each as one call of a scripted function (`eagle1_step`,
-    `eagle3_step`, `eagle1_candidates`, `eagle3_candidates`), for inference: the decoder layer over frozen copies of
-    its weights, q/k/v and gate/up fused, and the other products through the drafter's packed layers. A drafting level
-    then enters TorchScript twice, not once per product and once per operator between them (docs/runtime.md, "Fewer
-    trips through Python"). Bitwise the drafter's own `step` and `top_candidates`, which a drafter of another kind
-    runs instead."""
+    """A drafter's step and its top-k candidates as one scripted call each, over fused copies of its decoder layer's
+    weights: bitwise its own `step` and `top_candidates`, which a drafter of another kind runs instead."""
 
     def __init__(self, drafter: Drafter, positions: int):
-        """`drafter`: bound to its target and packed (`pack_linears`, its decoder layer left out); `positions`: the
-        rotary tables' length (the KV slot's)."""
+        """`drafter`: bound and packed (`pack_linears`, its decoder layer left out); `positions`: the slot length."""
         self.drafter = drafter
         self.layer = layer = decoder_layer(drafter)
         if layer is None:
@@ -159,6 +147,7 @@ class ServedStep:
             return eagle3_step(*head, *self.norms, *tail)
         return eagle1_step(*head, self.fc.weight, self.fc.bias, self.fc.packed, *tail)
 
+    @unoptimized
     def candidates(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Q, d] states -> (target token ids [Q, k], conditional probabilities [Q, k] float64), best first."""
         if self.layer is None:
@@ -182,16 +171,13 @@ class DraftModel:
         graphs: bool | None = None,
         target_head: Linear | None = None,
     ):
-        """`ahead_trees`: trees each session pre-builds for the likeliest outcomes of the round being verified;
-        `ahead_runner` runs that drafting beside the round (default: alone on a background thread); `graphs`: run
-        the drafter's passes as CUDA graphs (runtime/graphs.py; None: where it is on CUDA; True on a CPU runs the same
-        fixed-shape batches eagerly); `target_head`: the target's own LM head when the target runs in this process,
-        whose packed copy a drafter bound to it multiplies by instead of a second one (on a CPU, vocabulary x hidden
-        floats less, and a copy the verification has just read)."""
+        """`ahead_trees`: trees each session drafts ahead for the likeliest outcomes of the round being verified, run
+        by `ahead_runner` (default: a background thread); `graphs`: CUDA graphs (None: on CUDA; True on a CPU: the
+        same fixed-shape batches, eagerly); `target_head`: the in-process target's LM head, whose packed copy a
+        drafter bound to it shares."""
         if type(ahead_trees) is not int or ahead_trees < 0:
             raise ValueError(f"ahead_trees: must be a nonnegative integer, got {ahead_trees!r}")
-        # inference only from here: every product, the target's head included, on prepacked weights, and the decoder
-        # layer's as fused copies
+        # inference only from here: every product on prepacked weights, the decoder layer's as fused copies
         pack_linears(drafter, skip=layer_products(decoder_layer(drafter)))
         if drafter.bound:
             drafter.bind_target(drafter.embed, PackedLinear(drafter.target_head, target_head))
@@ -199,15 +185,14 @@ class DraftModel:
         self.served = ServedStep(drafter, slot_len)
         self.drafter = drafter
         self.ahead_trees = ahead_trees
-        # how often the target accepts this drafter's nodes, the odds drafting ahead guesses by: fed by every round of
-        # every session (the tuner's calibration sees exploring rounds only), so it keeps about the last 200
+        # how often the target accepts this drafter's nodes, by drafter probability (about the last 200 rounds)
         self.calibration = Calibration(decay=0.995)
         self._background = None if ahead_runner else ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")
         self.ahead_runner = ahead_runner or self._run_in_background
         attn = drafter.attention
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
-        self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to the row buckets of the oneDNN products
+        self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to oneDNN's row buckets
         on_cuda = drafter.device.type == "cuda"
         self.graphs = Graphs(self._step, drafter.device) if (on_cuda if graphs is None else graphs) else None
 
@@ -216,8 +201,7 @@ class DraftModel:
         return int(call.tokens.shape[0])
 
     def _seeded(self, calls: list[RowsCall]) -> list[RowsCall]:
-        """`calls` with every call that carries target features given its drafter input states instead: one
-        `seed_hidden` product over the verified rows of all of them (a batch's reseeds cost one fc, not one each)."""
+        """`calls` with target features turned into drafter input states, in one `seed_hidden` product for all."""
         seeding = [i for i, c in enumerate(calls) if c.features is not None]
         if not seeding:
             return calls
@@ -229,22 +213,30 @@ class DraftModel:
         return calls
 
     def _run_in_background(self, steps: Steps[None], priority: Callable[[], str]) -> Future:
-        """One process: the drafting ahead runs alone on its own thread (the reseed waits for it)."""
+        """The drafting ahead alone on a thread of its own (the reseed waits for it)."""
         return self._background.submit(run_alone, steps)
 
     def _step(self, packed: Packed) -> list[torch.Tensor]:
         """The drafter pass over a packed batch -> [next states [B, N, d]] (what a graph captures)."""
         return [self.served(packed)]
 
-    @torch.no_grad()
-    def run(self, calls: list[RowsCall]) -> list[DraftRows]:
-        """One drafter pass over every call's rows -> each call's next states [N, d] and, for the calls that ask,
-        their rows' top-k candidates (one LM-head pass over the rows of all of them)."""
-        calls = self._seeded(calls)
+    def _states(self, calls: list[RowsCall]) -> list[torch.Tensor]:
+        """One drafter pass over `calls` -> each call's next states [N, d]."""
         shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
         packed = pack(calls, self.pool, self.bucketed, shape)
         (out,) = self.graphs.run(packed) if shape else self._step(packed)  # [B, N, d]
-        states = split_rows(packed.rows(out), packed.lengths)
+        return split_rows(packed.rows(out), packed.lengths)
+
+    @torch.no_grad()
+    @unoptimized
+    def run(self, calls: list[RowsCall]) -> list[DraftRows]:
+        """The drafter over every call's rows -> each call's next states [N, d] and, where asked, its rows' top-k
+        candidates (one LM-head pass for all)."""
+        calls = self._seeded(calls)
+        by_call = {}
+        for group in padding_groups([self.rows(c) for c in calls]):
+            by_call.update(zip(group, self._states([calls[i] for i in group])))
+        states = [by_call[i] for i in range(len(calls))]
         results = [DraftRows(s) for s in states]
         asking = [i for i, c in enumerate(calls) if c.top_k]
         if asking:
@@ -268,11 +260,8 @@ class Grown:
 
 
 class DraftSession:
-    """One request's drafter state: a slot of draft KV, pending seed rows, and the root's draft state.
-
-    Slot positions [0, committed) hold verified rows; a round's tree rows are written after them
-    (`written` marks the end) and are dropped by resetting `written` to `committed`.
-    """
+    """One request's drafter state: a draft KV slot (verified rows [0, committed), a round's tree rows up to
+    `written`), the verified rows not yet run, and the root's state."""
 
     def __init__(self, model: DraftModel, wait: bool = False):
         self.model = model
@@ -291,7 +280,7 @@ class DraftSession:
         self.ahead_hits = 0
         self.proposed: tuple[int, DraftTree, list[int]] | None = None  # version, recorded tree, verified nodes
         self._ahead_job: Future | None = None
-        self._ahead_stop = False  # set once the next round has come: drafting ahead stops; read between its steps
+        self._ahead_stop = False  # set once the next round has come: drafting ahead stops
         self._decided: tuple[tuple[int, ...], int] | None = None  # the outcome it guessed at, once known
 
     def __del__(self) -> None:
@@ -324,9 +313,8 @@ class DraftSession:
         return outcome == self._decided if self._decided is not None else not self._ahead_stop
 
     def interrupt_ahead(self) -> None:
-        """The round the drafting ahead guesses at is decided (a worker: the request's next call has arrived): stop
-        at the next drafter step, so that a guess never delays the real round. Trees already built stay for the
-        lookup; the ones half built are dropped. Safe from any thread."""
+        """What the drafting ahead guesses at is decided: it stops at its next drafter step, keeping the trees already
+        built. Safe from any thread."""
         self._ahead_stop = True
 
     @property
@@ -351,7 +339,7 @@ class DraftSession:
         self.written = self.committed
         if not tokens:
             return
-        features = features.to(self.drafter.dtype)  # [m, F]: the drafter's next pass seeds them with its batch-mates'
+        features = features.to(self.drafter.dtype)  # [m, F], seeded by the drafter's next pass
         self.pending_features = features if self.pending_features is None else torch.cat([self.pending_features, features])
         self.pending_tokens += [int(t) for t in tokens]
 
@@ -413,11 +401,9 @@ class DraftSession:
 
     @torch.no_grad()
     def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
-        """Build the EAGLE-2 tree rooted at the append-required token and flatten it for verification.
-
-        A tree drafted ahead for exactly the outcome the last reseed published is returned at once. With
-        drafting ahead on, the next round's trees are then pre-built beside this round (`DraftModel.ahead_runner`).
-        """
+        """The EAGLE-2 tree rooted at the append-required token, flattened for verification: a tree drafted ahead for
+        exactly the outcome the last reseed published, else a fresh one; then, with drafting ahead on, the next
+        round's trees start beside this round."""
         self._settle_ahead()
         if version != self.version:
             raise VersionError("draft cache", self.version, version)
@@ -491,13 +477,8 @@ class DraftSession:
 
     @torch.no_grad()
     def _draft_ahead(self, version: int, grown: "Grown", policy: TreePolicy) -> Steps[None]:
-        """While the tree of `version - 1` is verified: pre-build the `version` trees of its likeliest outcomes.
-
-        An outcome is an accepted path (root to a verified node n) and the bonus token b after it, b not one of
-        n's verified children, priced at the acceptance the target has shown for nodes of each drafter probability
-        (`eyas.outcomes.likeliest_outcomes`). A pre-built tree conditions on the drafter's own states along the path
-        (as deeper tree levels do) and roots at b; the verified features reseed the drafter as usual afterwards.
-        """
+        """While the tree of `version - 1` is verified, grow the `version` trees of its likeliest outcomes (an accepted
+        path and the bonus token after it; `likeliest_outcomes`), each on the drafter's own states along its path."""
         try:
             proposal, states, path_rows = grown.proposal, grown.states, grown.path_rows
             tree, nodes, prefix_len = proposal.draft_tree, proposal.row_nodes, proposal.tree.prefix_len
@@ -543,11 +524,11 @@ class DraftSession:
         except KVCapacityError:
             pass  # no scratch rows left in this slot: no tree drafted ahead this round
         except Cancelled:
-            pass  # a worker's lockstep ended it at its next forward: the trees built stay, the half-built are dropped
+            pass  # ended at its next forward: the trees built stay
 
     def _grow_together(self, growths: list[Steps["Grown | None"]]) -> Steps[list["Grown | None"]]:
-        """Grow several trees of this session level by level: at each step the drafter calls they ask for (rows
-        that follow one another in the slot, since each reserves its rows as it asks) run as one forward."""
+        """Grow several trees of this session level by level, each level's calls (rows that follow one another in the
+        slot) merged into one."""
         grown: list = [None] * len(growths)
         asked: dict[int, Forward] = {}
 
@@ -572,8 +553,7 @@ class DraftSession:
         return grown
 
     def _settle_ahead(self) -> None:
-        """Wait for the drafting ahead in flight (its rows are scratch that the next step drops); unless it was
-        interrupted, every tree it set out to build is there for the lookup."""
+        """Wait for the drafting ahead in flight."""
         job, self._ahead_job = self._ahead_job, None
         if job is not None:
             job.result()

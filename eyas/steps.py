@@ -1,16 +1,6 @@
-"""Operations that ask for forwards: how one request's code runs alone or in lockstep with others (docs/runtime.md).
-
-A session operation (a prefill, a proposal, a verification, a whole round) is a generator: it
-yields a `Forward` each time it needs a model to run rows, receives that call's result, and returns
-its own result at the end. Written once, the same operation runs
-
-- alone (`run_alone`): every forward it asks for runs at once, by itself;
-- in lockstep with other operations (`eyas.runtime.batch.Lockstep`): the forwards that every
-  unfinished operation asks for at the same step run as one batch per model, on one thread.
-
-An operation that needs no local forward (a call to a remote worker, plain decoding's root-only tree)
-is `without_forwards(fn, *args)`.
-"""
+"""Operations that ask for forwards (docs/runtime.md, "Batches"): a generator that yields a `Forward` whenever it
+needs rows run, receives that call's result and returns its own; run alone (`run_alone`) or with others in one
+batch per model (`eyas.runtime.batch.Lockstep`)."""
 
 from __future__ import annotations
 
@@ -56,6 +46,6 @@ def run_alone(steps: Steps[T]) -> T:
 
 
 def without_forwards(fn: Callable[..., T], *args: Any) -> Steps[T]:
-    """An operation that runs no local forward: when driven, it calls `fn(*args)` and returns its value."""
+    """An operation that runs no local forward (a remote call, a plain root-only tree): returns `fn(*args)`."""
     return fn(*args)
-    yield  # unreached: it makes this a generator function, so `fn` runs when the operation is driven
+    yield  # unreached: makes this a generator, so `fn` runs when the operation is driven

@@ -1,13 +1,6 @@
-"""The target adapter: a frozen Llama-family target on eyas's runtime that prefills, verifies trees and commits.
-
-`TargetModel` owns the weights, the feature taps and the worker's KV pool; `TargetSession` owns one
-request's slot in that pool, its committed length and version, and the provisional tree rows that
-sit right after the committed prefix until commit (docs/runtime.md). Row maps come from the
-flattened tree's metadata, never from token equality.
-
-On a tensor-parallel group every rank builds a `TargetModel` on its shard; rank 0 serves and leads
-(`run` and KV moves are lockstep steps), the other ranks `follow` (docs/groups.md).
-"""
+"""The target on eyas's runtime: `TargetModel` (weights, feature taps, the KV pool) and `TargetSession` (one
+request's slot, committed rows, version and provisional tree rows; docs/runtime.md, "The KV pool"). In a
+tensor-parallel group rank 0 leads and the other ranks `follow` (docs/groups.md)."""
 
 from __future__ import annotations
 
@@ -21,13 +14,14 @@ from transformers import AutoTokenizer, GenerationConfig
 from .errors import VersionError
 from .manifest import FeatureAddress, TargetFingerprint, fingerprint_target
 from .rounds import Verification
-from .runtime.batch import Packed, RowsCall, pack, split_rows
+from .runtime.batch import Packed, RowsCall, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVPool
 from .runtime.linear import Linear, packs
 from .runtime.model import CausalLM, ForwardOut
-from .runtime.shard import Lockstep, Shard
+from .runtime.script import unoptimized
+from .runtime.shard import RankSteps, Shard
 from .sampling import SamplingParams
 from .steps import Forward, Steps, run_alone
 from .tree import FlattenedTree
@@ -66,9 +60,8 @@ class TargetModel:
         max_seq_len: int | None = None,
         graphs: bool | None = None,
     ):
-        """`graphs`: run the forwards of rounds as CUDA graphs (runtime/graphs.py); None: where the model is on CUDA,
-        whole and dense (a group's collectives and MoE routing are not captured); True on a CPU runs the same
-        fixed-shape batches eagerly."""
+        """`graphs`: the forwards as CUDA graphs (None: on CUDA for a whole, dense model; True on a CPU: the same
+        fixed-shape batches, eagerly)."""
         self.runtime = model
         self.config = model.config
         self.num_layers = model.num_layers
@@ -85,15 +78,15 @@ class TargetModel:
         slot_len = self.max_seq_len + TREE_HEADROOM
         kv_dtype = attention_dtype(model.dtype, model.device)
         self.pool = KVPool(model.num_layers, model.kv_heads, model.head_dim, kv_slots, slot_len, kv_dtype, model.device, "target KV")
-        self.bucketed = packs(model.dtype, model.device)  # batches padded to the row buckets of the oneDNN products
-        self.lockstep = Lockstep(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
+        self.bucketed = packs(model.dtype, model.device)  # batches padded to oneDNN's row buckets
+        self.ranks = RankSteps(model.shard, {"run": self.run_local, "move": self.pool.move_rows})
         capturable = model.shard.size == 1 and not model.experts
         on_cuda = model.device.type == "cuda"
         if graphs is None:
             graphs = capturable and on_cuda
         elif graphs and not capturable:
             raise ValueError("graphs: a tensor-parallel rank or an MoE target runs its forwards eagerly")
-        self.graphs = Graphs(self._forward, model.device) if graphs else None
+        self.graphs = Graphs(self._hidden, model.device) if graphs else None
 
     @property
     def embed(self) -> torch.nn.Embedding:
@@ -111,8 +104,7 @@ class TargetModel:
 
     @property
     def head(self) -> Linear:
-        """The LM head as verification multiplies by it (with its oneDNN copy on a CPU), for a drafter bound to this
-        target in the same process to share (a whole model only)."""
+        """The LM head as verification multiplies by it, for a drafter bound to this target in process to share."""
         self._check_whole("head")
         return self.runtime.head
 
@@ -132,8 +124,8 @@ class TargetModel:
         shard: Shard = Shard(),
         graphs: bool | None = None,
     ) -> "TargetModel":
-        """Load a target checkpoint directory (with its tokenizer when present) and fingerprint it; a rank of a
-        tensor-parallel group loads its `shard`."""
+        """Load a target directory (and its tokenizer when present) and fingerprint it; a group's rank loads its
+        `shard`."""
         path = Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -182,33 +174,43 @@ class TargetModel:
         return int(call.rows.tokens.shape[0])
 
     def run(self, calls: list[TargetCall]) -> list[TargetOutput]:
-        """One forward over the rows of every call (each in its own slot) -> each call's logits, features, experts;
-        on a group, every rank runs it."""
-        return self.lockstep.lead("run", calls)
+        """The rows of every call (each in its own slot) -> each call's logits, features, experts; on every rank."""
+        return self.ranks.lead("run", calls)
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move KV rows inside a slot (a commit), on every rank of a group."""
-        self.lockstep.lead("move", slot, src, dst)
+        self.ranks.lead("move", slot, src, dst)
 
     def follow(self) -> None:
         """A rank > 0 of a group: run rank 0's steps until it stops (raises GroupError if the group breaks)."""
-        self.lockstep.follow()
+        self.ranks.follow()
 
     def stop(self) -> None:
         """Rank 0 of a group: release the other ranks from `follow`."""
-        self.lockstep.stop()
+        self.ranks.stop()
 
-    def _forward(self, packed: Packed) -> list[torch.Tensor]:
+    def _hidden(self, packed: Packed) -> list[torch.Tensor]:
         """The layers over a packed batch -> hidden [B, N, d] and the taps, each [B, N, d] (what a graph captures)."""
         out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
         return [out.hidden, *out.taps]
 
     @torch.no_grad()
+    @unoptimized
     def run_local(self, calls: list[TargetCall]) -> list[TargetOutput]:
-        """`run` on this rank's shard."""
-        rows_calls = [c.rows for c in calls]
-        shape = self.graphs.shape(rows_calls, self.pool.slot_len) if self.graphs else None
-        packed = pack(rows_calls, self.pool, self.bucketed, shape)
+        """`run` on this rank's shard: the layers over each group of calls that pads little (`padding_groups`), then
+        one LM-head product over the rows of every call that wants logits."""
+        by_call = {}
+        for group in padding_groups([self.rows(c) for c in calls]):
+            by_call.update(zip(group, self._layers([calls[i].rows for i in group])))
+        outs = [by_call[i] for i in range(len(calls))]
+        wanted = [hidden for c, (hidden, _, _) in zip(calls, outs) if c.with_logits]
+        logits = iter(split_rows(self.runtime.logits(torch.cat(wanted)), [h.shape[0] for h in wanted]) if wanted else ())
+        return [TargetOutput(next(logits) if c.with_logits else None, feats, experts) for c, (_, feats, experts) in zip(calls, outs)]
+
+    def _layers(self, calls: list[RowsCall]) -> list[tuple[torch.Tensor, torch.Tensor, frozenset]]:
+        """One forward over `calls` -> each call's hidden [N, d], features [N, F] and MoE experts."""
+        shape = self.graphs.shape(calls, self.pool.slot_len) if self.graphs else None
+        packed = pack(calls, self.pool, self.bucketed, shape)
         if shape is None:
             out = self.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, self.taps)
         else:
@@ -216,19 +218,12 @@ class TargetModel:
             out = ForwardOut(hidden, taps, [])  # graphs run dense targets only: no experts routed
         hidden = packed.rows(out.hidden)  # [R, d]
         features = hidden if not self.taps else torch.cat([packed.rows(t) for t in out.taps], dim=-1)  # [R, F]
-        logit_rows = [n if c.with_logits else 0 for c, n in zip(calls, packed.lengths)]
-        if any(logit_rows):
-            wanted = torch.cat([h for h, n in zip(split_rows(hidden, packed.lengths), logit_rows) if n])
-            logits = iter(split_rows(self.runtime.logits(wanted), [n for n in logit_rows if n]))  # [R', V]
         routed = [packed.rows(r) for r in out.routed]  # per MoE layer [R, top_k]
-        results = []
-        for b, feats in enumerate(split_rows(features, packed.lengths)):
-            experts = frozenset()
-            if routed:
-                start, n = sum(packed.lengths[:b]), packed.lengths[b]
-                experts = frozenset((layer, int(e)) for layer, r in enumerate(routed) for e in r[start : start + n].unique().tolist())
-            results.append(TargetOutput(next(logits) if logit_rows[b] else None, feats, experts))
-        return results
+        experts = []
+        for b, n in enumerate(packed.lengths):
+            start = sum(packed.lengths[:b])
+            experts.append(frozenset((layer, int(e)) for layer, r in enumerate(routed) for e in r[start : start + n].unique().tolist()))
+        return list(zip(split_rows(hidden, packed.lengths), split_rows(features, packed.lengths), experts))
 
     def kv_row_bytes(self) -> int:
         return self.pool.row_bytes
@@ -259,7 +254,7 @@ class TargetSession:
         if version != self.version:
             raise VersionError("target cache", self.version, version)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> Forward:
+    def _ask(self, tokens: torch.Tensor, positions: torch.Tensor, rows_mask: torch.Tensor, with_logits: bool) -> Forward:
         self.model.pool.check_fits(self.committed + tokens.shape[0])
         return Forward(self.model, self.model.call(self.slot, self.committed, tokens, positions, rows_mask, with_logits))
 
@@ -268,17 +263,14 @@ class TargetSession:
         return run_alone(self.prefill_steps(version, tokens))
 
     def prefill_steps(self, version: int, tokens: list[int]) -> Steps[torch.Tensor]:
-        """Commit the KV of `tokens` (everything before the next tree root) at the request's `version`.
-
-        Returns their features [n, F]. Also rebuilds a lost session from a request's committed tokens.
-        """
+        """Commit the KV of `tokens` (everything before the next tree root) at `version` -> their features [n, F]."""
         if self.committed or self.provisional:
             raise RuntimeError("prefill runs once, on an empty target session")
         self.version = version
         if not tokens:
             return torch.empty(0, self.model.feature_width)
         n = len(tokens)
-        out = yield self._forward(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
+        out = yield self._ask(torch.tensor(tokens, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), False)
         self.committed = n
         return out.features
 
@@ -287,14 +279,11 @@ class TargetSession:
         return run_alone(self.verify_steps(tree, version, params))
 
     def verify_steps(self, tree: FlattenedTree, version: int, params: SamplingParams) -> Steps[Verification]:
-        """Verify a tree built on `version`: its rows stay provisional until `commit`.
-
-        The tree is trusted: the engine's own proposer builds valid trees, and a tree from outside (a
-        worker call, a trace) passes `validate_tree` against `committed` once where it enters.
-        """
+        """Verify a tree built on `version` (trusted: a tree from outside passes `validate_tree` where it enters); its
+        rows stay provisional until `commit`."""
         self._check_version(version)
         self.provisional = 0
-        out = yield self._forward(tree.tokens, tree.positions, tree.mask, True)
+        out = yield self._ask(tree.tokens, tree.positions, tree.mask, True)
         self.provisional = tree.num_rows
         logits = out.logits.cpu()
         decision, row_probs = decide(tree, logits, params)

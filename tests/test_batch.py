@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.errors import RequestError
-from eyas.runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Lockstep, RowsCall, Scheduler, merge_calls
+from eyas.runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Lockstep, RowsCall, Scheduler, merge_calls, padding_groups
 from eyas.runtime.kv import slot_runs
 from eyas.steps import Forward
 from eyas.target import TargetSession
@@ -136,6 +136,14 @@ def test_merged_calls_of_one_slot_give_each_call_what_it_gets_alone(world):
         draft.pool.release(slot)
 
 
+def assert_each_as_alone(model, calls, together):
+    """Every call's logits and features in `together` equal the call run by itself."""
+    for call, many in zip(calls, together):
+        one = model.run([call])[0]
+        assert torch.allclose(one.logits, many.logits, atol=1e-5)
+        assert torch.allclose(one.features, many.features, atol=1e-5)
+
+
 def test_a_batch_over_scattered_slots_gives_each_call_what_it_gets_alone(world):
     """Calls on slots out of order and with gaps between them (requests that finished leave holes) read each run of
     consecutive slots as one view of the pool: every call's logits and features equal the call run by itself."""
@@ -153,16 +161,38 @@ def test_a_batch_over_scattered_slots_gives_each_call_what_it_gets_alone(world):
             rows_mask = torch.ones(n, n).tril().bool()
             rows_mask[n - 1, 0] = n < 3  # a tree row that does not see its elder sibling
             calls.append(model.call(slot, prefix, torch.randint(0, 90, (n,), generator=generator), torch.arange(prefix, prefix + n), rows_mask))
-        alone = [model.run([call])[0] for call in calls]
-        together = model.run(calls)
-        for one, many in zip(alone, together):
-            assert torch.allclose(one.logits, many.logits, atol=1e-5)
-            assert torch.allclose(one.features, many.features, atol=1e-5)
+        assert_each_as_alone(model, calls, model.run(calls))
     finally:
         for slot in slots:
             model.pool.release(slot)
     assert slot_runs([6, 2, 3, 0, 4], [9, 4, 13, 6, 1]) == [(6, 1, 9), (2, 2, 13), (0, 1, 6), (4, 1, 1)]
     assert slot_runs([0, 2, 3, 4, 6], [5, 8, 3, 2, 7]) == [(0, 1, 5), (2, 3, 8), (6, 1, 7)]
+
+
+def test_a_prefill_beside_trees_runs_apart_and_each_call_gets_what_it_gets_alone(world):
+    """Calls of very different lengths run as forwards that pad little (a prefill apart from the trees, rather than
+    every tree padded to its length), and every call's logits and features equal the call run by itself."""
+    target, drafter, _ = world
+    model = Engine.from_pretrained(target, drafter).target
+    slots = [model.pool.acquire(128) for _ in range(4)]
+    generator = torch.Generator().manual_seed(7)
+    try:
+        for slot in slots[:3]:
+            model.run([model.call(slot, 0, torch.randint(0, 90, (6,), generator=generator), torch.arange(6), torch.ones(6, 6).tril().bool())])
+        calls = [model.call(slot, 6, torch.randint(0, 90, (3,), generator=generator), torch.arange(6, 9), torch.ones(3, 3).tril().bool()) for slot in slots[:3]]
+        calls.insert(1, model.call(slots[3], 0, torch.randint(0, 90, (90,), generator=generator), torch.arange(90), torch.ones(90, 90).tril().bool()))
+        entries = []
+        forward = model.runtime.forward
+        model.runtime.forward = lambda tokens, *args: entries.append(tokens.shape[0]) or forward(tokens, *args)
+        together = model.run(calls)
+        del model.runtime.forward
+        assert sorted(entries) == [1, 3]
+        assert_each_as_alone(model, calls, together)
+    finally:
+        for slot in slots:
+            model.pool.release(slot)
+    assert padding_groups([20, 60, 100, 150, 200, 250, 300, 40]) == [[6, 5], [4, 3], [2, 1], [7, 0]]
+    assert padding_groups([7, 7, 5, 3, 7, 7, 2, 7]) == [[0, 1, 4, 5, 7, 2, 3, 6]]
 
 
 def test_a_failing_forward_fails_only_its_own_operations(world):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from transformers import AutoModelForCausalLM
 
@@ -16,7 +17,10 @@ from eyas import Engine
 from eyas.client.bench.harness import Suite, write_charts
 from eyas.client.bench.forward import run as forward_bench
 from eyas.client.bench.peers import DEFAULT_VLLM_K, K_SCAN_FILE, choose_vllm_k, run_bench
-from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, verify_phases
+from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, spread, verify_phases
+from eyas.client.bench.script import Modes
+from eyas.runtime import model as model_module
+from eyas.target import TargetSession
 from eyas.client.bench.service import command_line
 
 
@@ -67,6 +71,7 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     scaling = context_scaling(engine, hf, [list(range(5, 15))], [list(range(5, 85))], max_new_tokens=6, repeats=2)
     assert scaling["short"]["context"] == 10 and scaling["long"]["context"] == 80
     assert scaling["goal_met"] == (scaling["round_ratio"] <= scaling["plain_step_ratio"])
+    assert set(scaling["verify_ratio"]) == {"1_rows", "5_rows"} and all(r > 0 for r in scaling["verify_ratio"].values())
     batch = batching(engine, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6, trees=("1,2,2",), pairs=3)
     assert batch["identical_outputs"] and batch["requests"] == 3 and batch["batch_tokens_per_s"] > 0
     assert batch["batch_tree_1/2/2"]["identical_outputs"] and batch["batch_tree_1/2/2"]["batch_tokens_per_s"] > 0
@@ -79,9 +84,25 @@ def test_runtime_bench_measures_verify_phases_context_and_batches(tmp_path):
     counted = batching(auto, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], max_new_tokens=6)["tree_auto"]
     assert counted["exploring_rounds_one_at_a_time"] > 0  # a fresh tuner's first exploration
     assert counted["exploring_rounds_one_at_a_time"] + counted["exploring_rounds_batch"] == auto.tuner.explorations
+    assert spread("20,300", 8) == [20, 100, 180, 260, 60, 140, 220, 300]  # prompts of mixed lengths, short and long mixed
     exact = greedy_vs_hf(engine, hf, [[5, 6, 7], [8, 9]], max_new_tokens=6)
     assert exact == {"prompts": 2, "identical": 2, "tokens_before_first_difference": 1.0}
     assert engine.target.pool.free_slots == engine.target.pool.slots
+
+
+def test_script_bench_switches_the_forwards_between_eager_and_torchscript_with_the_same_bits(tmp_path):
+    target = make_target(tmp_path / "t")
+    engine = Engine.from_pretrained(target, make_drafter(tmp_path / "e1", target, "eagle1"), tree={"width": 2, "depth": 2, "budget": 3})
+    modes, tokens, features = Modes(), {}, {}
+    for mode in ("eager", "script"):
+        with modes.use(mode):
+            assert isinstance(model_module.dense_layers, torch.jit.ScriptFunction) == (mode == "script")
+            tokens[mode] = engine.generate([5, 6, 7, 8], max_new_tokens=8).token_ids
+            session = TargetSession(engine.target)
+            features[mode] = session.prefill(0, list(range(5, 12)))
+            session.close()
+    assert isinstance(model_module.dense_layers, torch.jit.ScriptFunction)  # the shipped functions again
+    assert tokens["eager"] == tokens["script"] and torch.equal(features["eager"], features["script"])
 
 
 def test_forward_bench_times_a_plain_step_and_tree_rows_with_graphs_off_and_on(tmp_path):

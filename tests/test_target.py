@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas.manifest import FeatureAddress
 from eyas.runtime import KVCapacityError
+from eyas.runtime.device import prepare
 from eyas.runtime.kv import captured_attention
 from eyas.runtime.linear import bucketed_rows
 from eyas.sampling import SamplingParams
@@ -240,19 +241,16 @@ def test_graphs_are_refused_for_a_target_whose_forward_is_not_captured(tmp_path)
         TargetModel.from_pretrained(make_target(tmp_path / "t", "mixtral"), graphs=True)
 
 
-def test_the_runtime_turns_off_what_plans_per_shape():
-    """cuDNN's attention plans per shape (60-400 ms each on an H200) and TorchScript's optimising executor re-plans
-    per shape: the runtime turns both off on import (docs/runtime.md, "Attention on CUDA")."""
-    assert not torch.backends.cuda.cudnn_sdp_enabled()
-    assert not torch._C._get_graph_executor_optimize()
-
-
 def test_captures_turn_cudnn_attention_on_and_leave_it_off_after():
     """A graph pays cuDNN's plan once, at capture, so captures may use its kernel (docs/runtime.md, "Attention on
-    CUDA"); eager forwards after a capture still run without it, and the backends' order is torch's."""
-    order = torch._C._get_sdp_priority_order()
-    with captured_attention():
-        assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-    assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    assert torch._C._get_sdp_priority_order() == order
+    CUDA"); eager forwards after a capture still run without it, as `prepare` left them, in torch's order."""
+    order, before = torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        prepare(torch.device("cuda"))
+        with captured_attention():
+            assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert torch._C._get_sdp_priority_order() == order
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

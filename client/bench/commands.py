@@ -1,5 +1,5 @@
-"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, forward, trace, groups, failover, profile;
-each writes one JSON record."""
+"""`eyas bench` and its subcommands: peers, tree, service, soak, runtime, script, forward, trace, groups, failover,
+profile; each writes one JSON record."""
 
 from __future__ import annotations
 
@@ -101,6 +101,11 @@ def cmd_runtime(args: argparse.Namespace) -> int:
     return run_and_write("runtime", args)
 
 
+def cmd_script(args: argparse.Namespace) -> int:
+    """The runtime's forwards eager, as TorchScript and through torch.compile, measured in turns in one run."""
+    return run_and_write("script", args)
+
+
 def cmd_forward(args: argparse.Namespace) -> int:
     """One forward's cost on a random-weight Llama (~1B): a plain HF step against eyas's 1-row and tree forwards,
     CUDA graphs off and on."""
@@ -133,6 +138,8 @@ def suite_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown suite {sorted(unknown)[0]!r} (one of {', '.join(SUITES)})")
     return suites
 
+RUNTIME_SECTIONS = ("verify", "context", "batch", "greedy", "ahead")
+
 
 def row_counts(text: str) -> tuple[int, ...]:
     """`1,64` -> (1, 64); each a positive integer."""
@@ -157,8 +164,8 @@ def pool_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `eyas bench peers|tree|service|soak|runtime|forward|trace|groups|failover|profile` on the top-level
-    parser's subcommands."""
+    """Register `eyas bench peers|tree|service|soak|runtime|script|forward|trace|groups|failover|profile` on the
+    top-level parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (JSON results)", description=__doc__)
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -228,16 +235,24 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
     runtime = kinds.add_parser("runtime", help="the runtime against a plain HF step; batches", description=cmd_runtime.__doc__)
     runtime.add_argument("--target", help="target directory (default: the bundled demo target)")
-    runtime.add_argument("--drafter", help="drafter directory (default: the bundled demo EAGLE-3 drafter)")
+    runtime.add_argument("--drafter", help=f"drafter directory (default: the bundled demo {DEFAULT_DRAFTER})")
     runtime.add_argument("--tree", default="auto", help='"auto" (default) or a fixed tree as width,depth,budget')
     runtime.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
+    runtime.add_argument("--draft-dtype", default="auto",
+                         help="the drafter's dtype: auto (bfloat16 beside a float32 target on a CPU with bf16 units), float32, bfloat16 or float16")
+    runtime.add_argument("--sections", nargs="+", choices=RUNTIME_SECTIONS, default=list(RUNTIME_SECTIONS),
+                         help="what to measure (default: all): verify phases, context scaling, batches, greedy against HF, drafting ahead")
     runtime.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     runtime.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the forwards of rounds (auto: on CUDA)")
     runtime.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    runtime.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                         help="wall time, or this thread's CPU time (with --threads 1: the work done on a shared machine)")
     runtime.add_argument("--short-context", type=int, default=100)
     runtime.add_argument("--long-context", type=int, default=1700)
     runtime.add_argument("--context-prompts", type=int, default=3, help="prompts per context length")
     runtime.add_argument("--batch", type=int, default=8, help="requests in the generate_batch measurement")
+    runtime.add_argument("--batch-lengths", metavar="LOW,HIGH",
+                         help="the batch's prompts as held-out text windows of LOW to HIGH tokens (default: the suite's prompts)")
     runtime.add_argument("--batch-trees", nargs="*", default=["1,2,2", "1,4,4"], help="fixed trees (width,depth,budget) the batch also runs with, against the same one-at-a-time baseline")
     runtime.add_argument("--batch-pairs", type=int, default=3, help="interleaved pairs of one-at-a-time and batch runs (the record gives each and their medians)")
     runtime.add_argument("--max-new-tokens", type=int, default=64)
@@ -255,6 +270,18 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     forward.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     forward.add_argument("--json", help="where the JSON record goes (default: stdout)")
     forward.set_defaults(func=cmd_forward)
+
+    script = kinds.add_parser("script", help="the forwards eager, as TorchScript and through torch.compile", description=cmd_script.__doc__)
+    script.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=("eagle1", "hass", "eagle3"))
+    script.add_argument("--tree", default="2,4,6", help="the fixed tree of the whole requests, as width,depth,budget")
+    script.add_argument("--context", type=int, default=100, help="committed tokens the single forwards run on")
+    script.add_argument("--prompts", type=int, default=4, help="held-out prompts of the whole requests")
+    script.add_argument("--max-new-tokens", type=int, default=48)
+    script.add_argument("--turns", type=int, default=6, help="turns of every mode in a rotating order")
+    script.add_argument("--repeats", type=int, default=20, help="timed calls per forward and turn")
+    script.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")
+    script.add_argument("--json", help="where the JSON record goes (default: stdout)")
+    script.set_defaults(func=cmd_script)
 
     trace = kinds.add_parser("trace", help="what tracing costs per round", description=cmd_trace.__doc__)
     trace.add_argument("--target", help="target directory (default: the bundled demo target)")

@@ -58,8 +58,8 @@ def measure(model: TargetModel) -> dict:
     }
     shard = model.runtime.shard
     if shard.size > 1:
-        out.update(model.lockstep.lead("collectives"))  # every rank times the same collectives in step
-        out["lockstep_broadcast_s"] = median_seconds(lambda: model.lockstep.lead("noop"))
+        out.update(model.ranks.lead("collectives"))  # every rank times the same collectives in step
+        out["lockstep_broadcast_s"] = median_seconds(lambda: model.ranks.lead("noop"))
         out["all_reduces_per_forward"] = 2 * model.num_layers + 1
     session.close()
     return out
@@ -83,7 +83,7 @@ def rank_main(rank: int, size: int, ports, results) -> None:
             "all_gather_logits_s": median_seconds(lambda: shard.gather_last(logits)),
         }
 
-    model.lockstep.ops.update(collectives=collectives, noop=lambda: None)
+    model.ranks.ops.update(collectives=collectives, noop=lambda: None)
     if rank == 0:
         results.put(json.dumps(measure(model)))
         model.stop()

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eyas.train.corpus import collect
+from eyas.assets import DEFAULT_DRAFTER
 from eyas.engine import Engine
 from eyas.runtime.batch import pack
 from eyas.sampling import SamplingParams
-from eyas.target import TargetSession
+from eyas.target import TargetModel, TargetSession
+from eyas.train.corpus import collect
 from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.verify import decide
 
@@ -55,12 +56,25 @@ def median_ms(run: Callable[[], object], repeats: int) -> float:
 
 def heldout_ids(engine: Engine, length: int, count: int) -> list[list[int]]:
     """`count` windows of `length` tokens from the held-out standard-library modules."""
+    return heldout_windows(engine, [length] * count)
+
+
+def heldout_windows(engine: Engine, lengths: list[int]) -> list[list[int]]:
+    """Consecutive windows of the held-out standard-library modules' tokens, one of each length."""
     ids = []
     for doc in collect().heldout:
         ids += engine.tokenize(doc.text)
-        if len(ids) >= length * count:
+        if len(ids) >= sum(lengths):
             break
-    return [ids[i * length : (i + 1) * length] for i in range(count)]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [ids[start : start + n] for start, n in zip(starts, lengths)]
+
+
+def spread(bounds: str, count: int) -> list[int]:
+    """"20,300" and 8 -> 8 lengths from 20 to 300, evenly spread, in an order that mixes short and long."""
+    low, high = (int(b) for b in bounds.split(","))
+    lengths = [round(low + (high - low) * i / max(count - 1, 1)) for i in range(count)]
+    return lengths[::2] + lengths[1::2]
 
 
 def chain_tree(root: int, rows: int, prefix_len: int):
@@ -111,6 +125,23 @@ def greedy_vs_hf(engine: Engine, hf: torch.nn.Module, prompts: list[list[int]], 
     return {"prompts": len(prompts), "identical": same, "tokens_before_first_difference": agreed / (len(prompts) * max_new_tokens)}
 
 
+def chain_call(target: TargetModel, session: TargetSession, rows: int):
+    """A chain of `rows` rows on `session`'s committed tokens, and the target call that verifies it."""
+    tree = chain_tree(7, rows, session.committed)
+    return tree, target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+
+
+def verify_ms(engine: Engine, context: list[int], rows: int, repeats: int) -> float:
+    """Median milliseconds of the target's forward verifying a chain of `rows` rows on `context`."""
+    session = TargetSession(engine.target)
+    try:
+        session.prefill(0, context)
+        _, call = chain_call(engine.target, session, rows)
+        return median_ms(lambda: engine.target.run([call]), repeats)
+    finally:
+        session.close()
+
+
 def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_list: tuple[int, ...], repeats: int) -> dict:
     """The verify forward of each row count on `context`, by phase, against one plain HF step."""
     target = engine.target
@@ -120,8 +151,7 @@ def verify_phases(engine: Engine, hf: torch.nn.Module, context: list[int], rows_
     entries = []
     try:
         for rows in rows_list:
-            tree = chain_tree(context[-1], rows, len(context))
-            call = target.call(session.slot, session.committed, tree.tokens, tree.positions, tree.mask)
+            tree, call = chain_call(target, session, rows)
             packed = pack([call.rows], target.pool, target.bucketed)
             out = target.runtime.forward(packed.tokens, packed.positions, packed.kv, packed.mask, target.taps)
             logits = target.runtime.logits(packed.rows(out.hidden)).cpu()
@@ -163,8 +193,10 @@ def context_scaling(
 ) -> dict:
     """Round time on long contexts over short ones, against the same ratio for one plain HF step. Both contexts
     draft with one tree (with `tree: auto`, the one it chose for a lone request): a round's cost, not the tuner's
-    choice of tree, is what is compared."""
+    choice of tree, is what is compared. Also the target's verify forward of 1 row and of the tree's rows at both
+    contexts, the part of a round that reads the whole context in every layer."""
     tree = engine.tuner.current if engine.tree == "auto" else None
+    rows = (1, (tree or engine.tree).budget + 1)
     result = {"tree": None if tree is None else vars(tree)}
     for name, contexts in (("short", short), ("long", long)):
         if engine.target.graphs is not None:
@@ -175,9 +207,11 @@ def context_scaling(
             "round_ms": ms,
             "tokens_per_round": tokens,
             "plain_step_ms": statistics.median(median_ms(PlainStep(hf, c), repeats) for c in contexts),
+            "verify_ms": {f"{n}_rows": statistics.median(verify_ms(engine, c, n, repeats) for c in contexts) for n in rows},
         }
     result["round_ratio"] = result["long"]["round_ms"] / result["short"]["round_ms"]
     result["plain_step_ratio"] = result["long"]["plain_step_ms"] / result["short"]["plain_step_ms"]
+    result["verify_ratio"] = {k: result["long"]["verify_ms"][k] / v for k, v in result["short"]["verify_ms"].items()}
     result["goal_met"] = result["round_ratio"] <= result["plain_step_ratio"]
     return result
 
@@ -248,13 +282,15 @@ def batching(engine: Engine, prompts: list[list[int]], max_new_tokens: int, tree
 AHEAD_TREES = ({"width": 1, "depth": 8, "budget": 8}, {"width": 8, "depth": 5, "budget": 32})
 
 
-def draft_ahead(target: Path, drafter: Path, prompts: list[list[int]], ahead: int, max_new_tokens: int, dtype: str) -> dict:
+def draft_ahead(
+    target: Path, drafter: Path, prompts: list[list[int]], ahead: int, max_new_tokens: int, dtype: str, draft_dtype: str
+) -> dict:
     """Hit rate of trees drafted ahead, and the acceptance of hit rounds against freshly drafted ones, per tree and
     temperature."""
     result = {}
     for tree in AHEAD_TREES:
         for temperature in (0.0, 0.7):
-            engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=dtype, draft_ahead=ahead)
+            engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=dtype, draft_ahead=ahead, draft_dtype=draft_dtype)
             rounds = hits = hit_tokens = tokens = 0
             for i, prompt in enumerate(prompts):
                 stats = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=i, stop_at_eos=False).stats
@@ -270,40 +306,58 @@ def draft_ahead(target: Path, drafter: Path, prompts: list[list[int]], ahead: in
     return result
 
 
+def use_cpu_clock() -> None:
+    """Every timer of the process, the engine's phases included, reads this thread's CPU time: on a shared machine,
+    with one torch thread, that is the work done, whatever else runs."""
+    time.perf_counter = time.thread_time
+
+
 def run(args) -> dict:
     """The whole runtime benchmark on the demo target (or the given models) as one JSON record."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1:
+            raise SystemExit("eyas bench runtime: --clock cpu times one thread; pass --threads 1")
+        use_cpu_clock()
     suite = demo_suite(args.batch + 1)  # the last prompt settles tree auto, untimed
     target = Path(args.target) if args.target else suite.target
-    drafter = Path(args.drafter) if args.drafter else suite.drafters["eagle3"]
+    drafter = Path(args.drafter) if args.drafter else suite.drafters[DEFAULT_DRAFTER]
     tree = "auto" if args.tree == "auto" else dict(zip(("width", "depth", "budget"), map(int, args.tree.split(","))))
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
-    engine = Engine.from_pretrained(target, drafter, tree=tree, dtype=args.dtype, device=args.device, graphs=graphs)
+    engine = Engine.from_pretrained(
+        target, drafter, tree=tree, dtype=args.dtype, device=args.device, graphs=graphs, draft_dtype=args.draft_dtype
+    )
     dtype = engine.target.runtime.dtype
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(engine.target.runtime.device).eval()
     context = heldout_ids(engine, args.short_context, 1)[0]
     settle(engine, suite.prompts[-1], args.max_new_tokens)
     record = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads(),
+                    "clock": args.clock},
         "config": {"target": str(target), "drafter": str(drafter), "dtype": str(dtype).removeprefix("torch."),
                    "draft_dtype": str(engine.drafter.dtype).removeprefix("torch."),
                    "device": str(engine.target.runtime.device), "tree": args.tree, "graphs": engine.target.graphs is not None},
-        "verify": verify_phases(engine, hf, context, (1, 9, 33), args.repeats),
-        "context_scaling": context_scaling(
-            engine,
-            hf,
-            heldout_ids(engine, args.short_context, args.context_prompts),
-            heldout_ids(engine, args.long_context, args.context_prompts),
-            args.max_new_tokens,
-            args.repeats,
-        ),
-        "batch": batching(engine, suite.prompts[: args.batch], args.max_new_tokens, tuple(args.batch_trees), args.batch_pairs),
-        "greedy_vs_hf": greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens),
     }
+    sections = set(args.sections)
+    if "verify" in sections:
+        record["verify"] = verify_phases(engine, hf, context, (1, 9, 33), args.repeats)
+    if "context" in sections:
+        short = heldout_ids(engine, args.short_context, args.context_prompts)
+        long = heldout_ids(engine, args.long_context, args.context_prompts)
+        record["context_scaling"] = context_scaling(engine, hf, short, long, args.max_new_tokens, args.repeats)
+    if "batch" in sections:
+        prompts = suite.prompts[: args.batch]
+        if args.batch_lengths:
+            prompts = heldout_windows(engine, spread(args.batch_lengths, args.batch))
+        record["batch"] = batching(engine, prompts, args.max_new_tokens, tuple(args.batch_trees), args.batch_pairs)
+        record["batch"]["prompt_tokens"] = [len(p) for p in prompts]
+    if "greedy" in sections:
+        record["greedy_vs_hf"] = greedy_vs_hf(engine, hf, suite.prompts[: args.batch], args.max_new_tokens)
     for name, graphs in (("target", engine.target.graphs), ("drafter", engine.draft.graphs)):
         if graphs is not None:
             record.setdefault("graphs", {})[name] = {"captured": len(graphs.captured), "capture_s": graphs.seconds}
-    if args.draft_ahead:
-        record["draft_ahead"] = draft_ahead(target, drafter, suite.prompts[: args.batch], args.draft_ahead, args.max_new_tokens, args.dtype)
+    if args.draft_ahead and "ahead" in sections:
+        prompts = suite.prompts[: args.batch]
+        record["draft_ahead"] = draft_ahead(target, drafter, prompts, args.draft_ahead, args.max_new_tokens, args.dtype, args.draft_dtype)
     return record

@@ -1,7 +1,4 @@
-"""eyas's execution layer: its own Llama-family forward, a preallocated KV pool, batched rows, devices.
-
-See docs/runtime.md for the KV layout, how a tree is written and committed, and how a batch is packed.
-"""
+"""eyas's execution layer: its own Llama-family forward, a preallocated KV pool, batches, devices (docs/runtime.md)."""
 
 from .batch import Lockstep, RowsCall, Scheduler, pack
 from .device import resolve_device, resolve_dtype

@@ -1,12 +1,6 @@
-"""Packing several sessions' rows into one forward, and driving many operations so that their forwards batch.
-
-`pack` lays the rows of B calls out as [B, N] (N = the longest call; shorter calls are padded, and
-their pads write no KV), with a [B, 1, N, K] mask in which each row sees only its own slot's
-positions that its call marks visible: a request's rows never see another request's.
-`Lockstep` drives many session operations (`eyas.steps`) on one thread: at each step the forwards
-they wait on run as one batch per model. `Scheduler` is a worker's compute thread: a lockstep that
-operations join as their calls arrive (continuous batching, docs/runtime.md).
-"""
+"""Batches (docs/runtime.md, "Batches"): `pack` lays several sessions' calls out as one forward, `Lockstep` drives
+many operations (`eyas.steps`) so that their forwards run as one batch per model, and `Scheduler` is a worker's
+compute thread, a lockstep that operations join as they arrive."""
 
 from __future__ import annotations
 
@@ -25,6 +19,7 @@ from .kv import KVPool, SlotBatch
 from .linear import bucketed_rows
 
 MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
+PAD_ROWS = 64  # rows of padding one forward may carry; calls past it run in a forward of their own
 
 
 @dataclass
@@ -37,16 +32,14 @@ class RowsCall:
     positions: torch.Tensor  # [N] long
     visible: torch.Tensor  # [N, start + N] bool
     states: torch.Tensor | None = None  # [N, d] drafter input states, in the drafter's dtype
-    top_k: int = 0  # a drafter call: also return each row's top-k next-token candidates, from the same pass
+    top_k: int = 0  # a drafter call: also each row's top-k next-token candidates
     top_k_last: bool = False  # ... of its last row only
-    features: torch.Tensor | None = None  # [N, F] target features of verified rows, in place of `states`: the
-    # drafter's batch turns them into states (`seed_hidden`, EAGLE-3's fc) in one product for all its calls
+    features: torch.Tensor | None = None  # [N, F] verified target features in place of `states` (seeded in the batch)
 
 
 def merge_calls(calls: list[RowsCall]) -> RowsCall:
-    """Calls on one slot whose rows follow one another (and ask for the same top-k), as one call: each row sees
-    exactly what it saw in its own call (a block of `visible` per call). Splitting the result back by rows gives
-    each call's own."""
+    """Calls on one slot whose rows follow one another (and ask for the same top-k) as one call, each row seeing
+    what it saw in its own; its result split by rows is each call's."""
     first, last = calls[0], calls[-1]
     end = last.start + int(last.tokens.shape[0])
     visible = torch.zeros(end - first.start, end, dtype=torch.bool)  # [sum N, end]
@@ -79,7 +72,7 @@ class Packed:
     kv: SlotBatch
 
     def inputs(self) -> list[torch.Tensor]:
-        """Every tensor the forward reads (a CUDA graph copies them into its own, runtime/graphs.py)."""
+        """Every tensor the forward reads (what a CUDA graph copies into its own)."""
         w = self.kv.writes
         held = [self.tokens, self.positions, self.mask, self.states, w.src_b, w.src_n, w.dst_slot, w.dst_pos, w.read_slots]
         return [t for t in held if t is not None]
@@ -92,10 +85,9 @@ class Packed:
 
 
 def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tuple[int, int, int] | None = None) -> Packed:
-    """Lay `calls` out as one padded batch over `pool`, its entries in slot order (so that consecutive slots read as
-    one view of the pool, runtime/kv.py); `bucketed`: pad each call's rows (by at most 25%) so that the batch's rows
-    are a bucket of `Linear`'s, whose products then pad nothing themselves (runtime/linear.py); `shape` (entries,
-    rows, keys): pad to exactly that, for a forward captured as a CUDA graph (runtime/graphs.py)."""
+    """`calls` as one batch [B, N] over `pool` (N: the longest call), entries in slot order, with the mask [B, 1, N, K]
+    of what each row sees. `bucketed`: N padded (at most 25%) to one of `Linear`'s row buckets; `shape` (entries,
+    rows, keys): padded to exactly that, for a CUDA graph. Pad rows write no KV and see one key."""
     lengths = [int(c.tokens.shape[0]) for c in calls]
     order = sorted(range(len(calls)), key=lambda i: calls[i].slot)  # batch entry -> call
     entries = sorted(range(len(calls)), key=order.__getitem__)  # call -> batch entry
@@ -113,7 +105,7 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tup
     tokens = torch.zeros(b, n, dtype=torch.long)
     positions = torch.zeros(b, n, dtype=torch.long)
     mask = torch.zeros(b, 1, n, kv.key_len, dtype=torch.bool)
-    mask[:, 0, :, 0] = True  # pad rows see one key, so their softmax stays finite
+    mask[:, 0, :, 0] = True  # pad rows see one key: their softmax stays finite
     states = None if calls[0].states is None else calls[0].states.new_zeros(b, n, calls[0].states.shape[-1])
     for e, i in enumerate(order):
         call, m = calls[i], lengths[i]
@@ -127,10 +119,28 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tup
     return Packed(tokens.to(device), positions.to(device), mask.to(device), states, lengths, entries, kv)
 
 
+def padding_groups(lengths: list[int]) -> list[list[int]]:
+    """Calls of `lengths` rows (by index) in groups, longest first, each padding its calls to its longest by at most
+    PAD_ROWS rows in all: each group is one forward, so a prefill runs apart from trees rather than padding every
+    tree to its length."""
+    groups: list[list[int]] = []
+    rows = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]]
+            if padded - rows - lengths[i] <= PAD_ROWS:
+                groups[-1].append(i)
+                rows += lengths[i]
+                continue
+        groups.append([i])
+        rows = lengths[i]
+    return groups
+
+
 def split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """[R, ...] packed rows -> one tensor per call."""
     if len(lengths) == 1 and x.shape[0] == lengths[0]:
-        return [x]  # one call: its rows as they are (a split costs a few microseconds of dispatch, several times a level)
+        return [x]
     return list(torch.split(x, lengths))
 
 
@@ -142,16 +152,14 @@ class Cancelled(Exception):
 
 
 class Operation:
-    """One operation driven by a `Lockstep`: its result or error once done, the seconds it spent waiting for
-    batch-mates (from asking for a forward to the start of the batch that ran it), and, where its lockstep keeps them,
-    the batches it took part in (rows, its batch-mates' among them, and wall seconds of each)."""
+    """One operation driven by a `Lockstep`: its result or error, the seconds it waited for batch-mates, and (where
+    kept) the batches it took part in as (rows, seconds)."""
 
     __slots__ = ("steps", "done", "priority", "forward", "asked", "waited", "forwards", "result", "error")
 
     def __init__(self, steps: Steps, done: Callable[["Operation"], None], priority: Callable[[], str] | None = None):
-        """`priority`, asked before each step: FOREGROUND (always, when None), BACKGROUND (the operation gives way: it
-        runs only in steps no other operation waits for) or CANCELLED (it gets `Cancelled` at the forward it waits
-        for)."""
+        """`priority`, asked before each step: FOREGROUND (None: always), BACKGROUND (runs only in steps no other
+        operation waits for) or CANCELLED (gets `Cancelled` at the forward it waits for)."""
         self.steps = steps
         self.done = done
         self.priority = priority
@@ -164,31 +172,23 @@ class Operation:
 
 
 class Lockstep:
-    """Drives many operations on the calling thread: each `step` runs one model's batch over the calls the waiting
-    operations ask of it, then resumes those operations until they ask again or finish.
-
-    A step serves the model whose batches have been cheapest so far (a drafter before a target): the operations
-    asking for the dearer model wait until the others catch up, so requests whose rounds drift out of phase fall
-    back into it and each drafting level does not also pay for a verification; a model passed over `MAX_SKIPS`
-    steps in a row runs next. A batch takes calls in arrival order up to `max_rows` rows (at least one call); an
-    operation left out waits at the front. A failing batch raises in each of its operations, not in the driver.
-    Background operations run only in steps no other operation waits for: they fill idle time and never widen a
-    batch that others wait on; cancelled ones end at the forward they wait for.
-    """
+    """Drives many operations on the calling thread: each `step` runs one model's batch over the calls waiting for
+    it (the cheapest model so far, or one passed over MAX_SKIPS times; in arrival order, up to `max_rows` rows), then
+    resumes them. A failing batch raises in its own operations; background ones run only in steps nothing else waits
+    for, cancelled ones end at the forward they wait for (docs/runtime.md, "Batches")."""
 
     MAX_SKIPS = 16
 
     def __init__(
         self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float], None] | None = None, keep_forwards: bool = False
     ):
-        """`observer(runner, rows, seconds)` hears of every batch that ran (e.g. tree auto learning forward costs);
-        `keep_forwards`: each operation also keeps its batches (a worker's calls report them; an engine's operations
-        last a whole request and its observer has heard of every batch)."""
+        """`observer(runner, rows, seconds)` hears of every batch that ran; `keep_forwards`: each operation keeps its
+        batches (a worker's calls report them)."""
         self.max_rows = max_rows
         self.observer = observer
         self.keep_forwards = keep_forwards
         self.waiting: list[Operation] = []
-        self.batches = 0  # batched forwards so far, the calls they served and their wall seconds
+        self.batches = 0  # forwards run, the calls they served and their wall seconds
         self.calls = 0
         self.seconds = 0.0
         self._seconds: dict[int, float] = {}  # model -> mean seconds of its batches (a running average)
@@ -213,10 +213,10 @@ class Lockstep:
         return (overdue[0] if overdue else min(asked, key=lambda k: self._seconds.get(k, 0.0))), asked
 
     def step(self) -> None:
-        """One batch of one model over the calls waiting for it, then every served operation resumes."""
+        """One batch of one model over the calls waiting for it; then the served operations resume."""
         priorities = {id(op): op.priority() for op in self.waiting if op.priority is not None}
         cancelled = [op for op in self.waiting if priorities.get(id(op)) == CANCELLED]
-        if cancelled:  # their forwards would only delay what waits for them to end
+        if cancelled:
             self.waiting = [op for op in self.waiting if priorities.get(id(op)) != CANCELLED]
             for op in cancelled:
                 self._resume(op, None, Cancelled())
@@ -284,16 +284,12 @@ def results(ops: list[Operation]) -> list[Any]:
 
 
 class Scheduler:
-    """A worker's compute thread: operations submitted from any thread join one lockstep as they arrive, so the
-    forwards of the calls in flight together run as one batch per model (continuous batching).
-
-    At most `max_ops` operations run at once; later ones wait in arrival order. `submit` returns a future of the
-    finished `Operation` (its result or error, and its seconds spent waiting for batch-mates).
-    """
+    """A worker's compute thread: operations submitted from any thread join one lockstep as they arrive (continuous
+    batching), at most `max_ops` at once; `submit` returns a future of the finished `Operation`."""
 
     def __init__(self, name: str, max_ops: int = 64, max_rows: int = MAX_BATCH_ROWS):
         self.max_ops = max_ops
-        self.lockstep = Lockstep(max_rows, keep_forwards=True)  # each call reports the forwards it took part in
+        self.lockstep = Lockstep(max_rows, keep_forwards=True)
         self._incoming: deque[tuple[Steps, Future, Callable[[], str] | None]] = deque()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)

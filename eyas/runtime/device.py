@@ -1,5 +1,5 @@
-"""Where a model runs and in which dtype: `cpu`, `cuda` or `cuda:N`; float32 on CPU and the checkpoint's half
-dtype (or bfloat16) on CUDA unless told; the drafter in bfloat16 beside a float32 target on a CPU with bf16 units."""
+"""Where a model runs and in which dtype (docs/runtime.md, "Devices and dtypes"), and the process settings its
+forwards need."""
 
 from __future__ import annotations
 
@@ -25,12 +25,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str | None = None) -> torch.dtype:
     """None or "auto": float32 on CPU; on CUDA the checkpoint's `stored` half dtype, else bfloat16. Otherwise the
-    named dtype.
-
-    float32 is the CPU default because only there is the output of a request exactly independent of its tree and
-    its batch-mates in practice: in half precision a batched or tree forward rounds differently from a plain
-    step, so a near-tie can resolve differently (bfloat16 is about twice as fast on a CPU with bf16 units).
-    """
+    named dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -44,20 +39,22 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored:
 
 def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The drafter's dtype beside a target in `dtype`. None or "auto": bfloat16 where the target runs in float32 on
-    a CPU whose oneDNN has bfloat16 products, else the target's `dtype`. Otherwise the named dtype.
-
-    Only the target's precision decides the output: a drafter proposes, verification is exact in any case, so the
-    drafter's dtype moves acceptance and speed alone. On a CPU with bf16 units its products run in about 60% of the
-    float32 time, and its weights take half the cache (docs/runtime.md, "The drafter's dtype")."""
+    a CPU whose oneDNN has bfloat16 products, else the target's `dtype`. Otherwise the named dtype."""
     if draft_dtype in (None, "auto"):
         on_bf16_units = packs(torch.bfloat16, device)  # a CPU whose oneDNN has bf16 products
         return torch.bfloat16 if dtype == torch.float32 and on_bf16_units else dtype
     return resolve_dtype(draft_dtype, device)
 
 
+def prepare(device: torch.device) -> None:
+    """Set the process-wide torch options the runtime's forwards on `device` need; an engine or a worker calls it
+    once at start (docs/runtime.md, "Process settings"). On CUDA: cuDNN's attention off."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV pool's dtype: the model's on CUDA; float32 on CPU, where half-precision attention kernels
-    are several times slower than float32 ones at long contexts (k and v are stored exactly)."""
+    """The KV pool's dtype: the model's on CUDA, float32 on CPU (k and v stored exactly)."""
     return torch.float32 if device.type == "cpu" else dtype
 
 

@@ -1,16 +1,5 @@
-"""CUDA graphs of a model's forward: captured once per padded batch shape, replayed after (docs/runtime.md,
-"CUDA graphs").
-
-On a GPU a round's forwards are small (a few to a few dozen rows), so launching their hundreds of kernels one by one
-from Python costs more than running them. A graph records the kernels of one forward once and launches them all with
-one call. A graph reads and writes fixed addresses with fixed shapes, so a batch is padded to a bucket shape
-(entries, rows, keys) and its inputs are copied into that shape's own tensors before each replay: where each row's
-KV goes and which slots it reads are index tensors (runtime/kv.py, `SlotBatch.shape`), so one graph serves any
-sessions. Batches past the largest bucket (a long prefill) run eagerly.
-
-On a CPU the same fixed-shape batches run eagerly: the padding and the copies are those a graph replays, which is
-how the CPU tests check them.
-"""
+"""CUDA graphs of a model's forward, one per padded batch shape (entries, rows, keys), captured on first use and
+replayed after (docs/runtime.md, "CUDA graphs"); on a CPU the same fixed-shape batches run eagerly."""
 
 from __future__ import annotations
 
@@ -26,9 +15,8 @@ from .kv import captured_attention
 
 MAX_ENTRIES = 64  # calls one captured batch holds (entries pad to a power of two)
 MAX_ROWS = 128  # rows of one call a captured batch holds (rows pad to a power of two)
-MIN_KEYS = 256  # positions read pad to a power of two from this (at most the slot length): a few graphs per
-# context length, each reading at most twice the keys it needs (cheap on a GPU next to launching kernels one by one)
-WARMUPS = 3  # eager runs before a capture, on a side stream, as CUDA graph capture asks
+MIN_KEYS = 256  # positions read pad to a power of two from this, up to the slot length
+WARMUPS = 3  # eager runs on a side stream before a capture
 
 
 def power_of_two(n: int) -> int:
@@ -56,12 +44,8 @@ class Captured:
 
 
 class Graphs:
-    """A model's forward over fixed-shape batches on `device`: a CUDA graph per bucket shape there, eager on a CPU.
-
-    `forward(packed)` returns the tensors a runner reads; `run` returns copies of them, since the next replay of any
-    of the model's graphs may reuse their memory (all share one memory pool). One thread at a time replays.
-    `seconds` is the time spent capturing (once per shape, in the first batch of that shape).
-    """
+    """A model's `forward(packed)` over fixed-shape batches: a CUDA graph per bucket shape on `device`, eager on a
+    CPU. `run` returns copies (the model's graphs share one memory pool); `seconds`: time spent capturing."""
 
     def __init__(self, forward: Callable[[Packed], list[torch.Tensor]], device: torch.device):
         self.forward = forward
@@ -95,8 +79,8 @@ class Graphs:
             return [t.clone() for t in captured.outputs]
 
     def _capture(self, packed: Packed) -> Captured:
-        """Record the forward at `packed`'s shape on tensors of its own (filled with `packed`'s, so the warm-up runs
-        write exactly the KV rows the replay then writes again)."""
+        """Record the forward at `packed`'s shape on tensors of its own, filled with `packed`'s (the warm-up runs
+        write the KV rows the replay writes again)."""
         own = Packed(
             packed.tokens.clone(), packed.positions.clone(), packed.mask.clone(),
             None if packed.states is None else packed.states.clone(), packed.lengths, packed.entries,
@@ -104,7 +88,7 @@ class Graphs:
         )
         if not self.capture:
             return Captured(own, None, [])
-        with torch.cuda.device(self.device), captured_attention():  # the model's device, which need not be the current one (cuda:N)
+        with torch.cuda.device(self.device), captured_attention():  # the model's device, not necessarily the current one
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -1,9 +1,5 @@
-"""The KV pool a worker owns: one preallocated tensor, a fixed slot per session (see docs/runtime.md).
-
-Layout [layers, 2 (k, v), slots, kv_heads, slot_len, head_dim]. A session borrows one slot; its
-committed rows are slot positions [0, committed); a tree's rows are written right after them as
-scratch, so dropping a tree is a length reset and a commit moves only the accepted rows into place.
-"""
+"""The KV pool: one preallocated [layers, 2 (k, v), slots, kv_heads, slot_len, head_dim] tensor, a slot per
+session, and how a batch's rows are written into it and read from it in place (docs/runtime.md, "The KV pool")."""
 
 import heapq
 import threading
@@ -16,18 +12,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-# On CUDA, scaled_dot_product_attention prefers cuDNN's kernel for half dtypes on recent GPUs, and cuDNN builds
-# a plan for every new shape: 60-400 ms each on an H200, and a round's shapes are new most rounds (the keys read
-# grow, the rows vary). The memory-efficient kernel, which also takes the masks eyas passes, has no such step.
-# A process-wide torch setting (docs/runtime.md, "Attention on CUDA"); `captured_attention` lifts it in captures.
-torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def captured_attention() -> AbstractContextManager:
-    """While a CUDA graph is captured (runtime/graphs.py): every attention backend on, as torch has them by default,
-    so cuDNN's kernel runs where torch prefers it. A graph pays its plan once, at capture, and replays its kernels,
-    which run faster than the memory-efficient kernel's (docs/runtime.md). torch's backend switches are
-    process-wide: an eager forward on another thread during a capture may use it too."""
+    """Every attention backend on, cuDNN's included, while a CUDA graph is captured (docs/runtime.md, "Attention on
+    CUDA"); process-wide while it lasts."""
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 TREE_HEADROOM = 256  # slot positions past a request's own tokens, for the scratch rows of one round's tree
@@ -104,7 +91,7 @@ class KVPool:
             self._cond.notify()
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy positions `src` to `dst` of one slot in every layer: O(rows x layers), never O(context)."""
+        """Copy positions `src` to `dst` [R] of one slot in every layer (a commit)."""
         src, dst = src.to(self.device), dst.to(self.device)
         view = self.kv[:, :, slot]  # [L, 2, kv_heads, T, hd]
         view[:, :, :, dst] = view[:, :, :, src]
@@ -112,15 +99,11 @@ class KVPool:
 
 # No `from __future__ import annotations` in this file: TorchScript reads `Writes`' field types at run time.
 class Writes(NamedTuple):
-    """Where a batch's new rows go in one layer of the pool and what its attention reads, for `write_rows` and
-    `attend`.
+    """Where a batch's new rows go in each layer of the pool and what its attention reads (`write_rows`, `attend`).
 
-    One slot: rows [start, start + length) of `slot`. Several slots: the real rows (`src_b`, `src_n`) of the padded
-    [B, N] batch go to (`dst_slot`, `dst_pos`). Either way the batch's entries are read as `runs` (first slot, count,
-    keys) of consecutive slots in batch order, each run positions [0, keys) of its slots (its longest entry's end,
-    at most `key_len`, the batch's): a run is a view of the pool, so attention reads the KV in place and never
-    gathers a copy of it. A batch of fixed shape (a CUDA graph's, runtime/graphs.py) has no runs: its entries'
-    slots are `read_slots`, gathered up to `key_len`, so that where the rows go and what they read are tensors.
+    One slot: rows [start, start + length) of `slot`. Several: the real rows (src_b, src_n) of the [B, N] batch go to
+    (dst_slot, dst_pos), and `runs` (first slot, count, keys) of consecutive slots are read as views of the pool. A
+    fixed shape (a CUDA graph's) has no runs: each entry reads `read_slots` [B], gathered up to `key_len`.
     """
 
     slot: int
@@ -136,8 +119,8 @@ class Writes(NamedTuple):
 
 
 def slot_runs(slots: List[int], ends: List[int]) -> List[Tuple[int, int, int]]:
-    """Batch-ordered slots, each read up to its end, as runs (first slot, count, keys) of consecutive slots read up to
-    their longest end: slots [3, 4, 9], ends [7, 5, 2] -> [(3, 2, 7), (9, 1, 2)]."""
+    """Slots in batch order and their ends -> runs (first slot, count, longest end) of consecutive slots:
+    [3, 4, 9], [7, 5, 2] -> [(3, 2, 7), (9, 1, 2)]."""
     runs: List[Tuple[int, int, int]] = []
     for slot, end in zip(slots, ends):
         if runs and runs[-1][0] + runs[-1][1] == slot:
@@ -149,8 +132,7 @@ def slot_runs(slots: List[int], ends: List[int]) -> List[Tuple[int, int, int]]:
 
 
 def write_rows(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tensor) -> None:
-    """kv [2, S, kv_heads, T, hd] (one layer) <- the new rows' k, v [B, kv_heads, N, hd] (pads skipped). Plain torch,
-    which TorchScript compiles inside the decoder's scripted blocks (runtime/model.py), as it does `attend`."""
+    """kv [2, S, kv_heads, T, hd] (one layer) <- the new rows' k, v [B, kv_heads, N, hd], pads skipped."""
     src_b, src_n, dst_slot, dst_pos = writes.src_b, writes.src_n, writes.dst_slot, writes.dst_pos
     if src_b is None or src_n is None or dst_slot is None or dst_pos is None:
         n = writes.length
@@ -164,8 +146,7 @@ def write_rows(kv: torch.Tensor, writes: Writes, k: torch.Tensor, v: torch.Tenso
 
 def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor, gqa: bool) -> torch.Tensor:
     """q [B, H, N, hd] over kv [2, S, kv_heads, T, hd] (one layer, rows written), bias [B, 1, N, key_len] ->
-    [B, H, N, hd]: one attention per run of consecutive slots, over a view of the pool up to the run's keys (the
-    bias hides the rest)."""
+    [B, H, N, hd]: one attention per run of consecutive slots, over a view of the pool."""
     read_slots = writes.read_slots
     if read_slots is not None:  # a fixed shape: every entry's slot gathered, positions [0, key_len)
         keys = kv[0, :, :, : writes.key_len].index_select(0, read_slots)  # [B, kv_heads, key_len, hd]
@@ -183,12 +164,9 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
 
 @dataclass
 class SlotBatch:
-    """The KV of one batched forward: entry b writes rows [starts[b], starts[b] + lengths[b]) of slot slots[b]
-    and reads that slot's positions [0, key_len).
-
-    `shape` (entries, rows, keys), for a forward captured as a CUDA graph: the batch is padded to that many entries
-    of that many rows reading `keys` positions, and every index is a tensor of that fixed size (a pad row repeats
-    the first real row's write, the same value to the same place; a pad entry reads the first entry's slot)."""
+    """The KV of one batched forward: entry b writes rows [starts[b], starts[b] + lengths[b]) of slot slots[b] and
+    reads its positions [0, key_len). `shape` (entries, rows, keys): padded to that fixed shape for a CUDA graph
+    (a pad row repeats the first real row's write; a pad entry reads the first entry's slot)."""
 
     pool: KVPool
     slots: list[int]
@@ -204,7 +182,7 @@ class SlotBatch:
         if len(self.slots) == 1 and self.shape is None:
             self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, slot_runs(self.slots, ends), None, None, None, None, None)
             return
-        # per real row: (batch entry, row in the entry, slot, slot position), built as one tensor, one copy to the device
+        # per real row: (batch entry, row in the entry, slot, slot position), one tensor, one copy to the device
         rows = [(b, i, slot, start + i) for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)) for i in range(n)]
         if self.shape is None:
             src_b, src_n, dst_slot, dst_pos = torch.tensor(rows, dtype=torch.long).t().contiguous().to(device)  # 4 x [R]
@@ -216,7 +194,7 @@ class SlotBatch:
         self.key_len = keys
         rows += [rows[0]] * (entries * per_entry - len(rows))
         read = self.slots + [self.slots[0]] * (entries - len(self.slots))
-        # one tensor, one copy to the device: a fifth column carries entry i's slot in row i
+        # a fifth column carries entry i's slot in row i
         index = torch.tensor([r + (read[i] if i < entries else 0,) for i, r in enumerate(rows)], dtype=torch.long)
         src_b, src_n, dst_slot, dst_pos, read_slots = index.t().contiguous().to(device)  # 5 x [entries x rows]
         self.writes = Writes(0, 0, 0, keys, [], src_b, src_n, dst_slot, dst_pos, read_slots[:entries])
@@ -227,8 +205,8 @@ class SlotBatch:
         return self.pool.kv.dtype
 
     def append(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new rows' k, v [B, kv_heads, N, hd] (pads skipped) -> keys, values [B, kv_heads, key_len, hd]
-        (for attention outside the scripted blocks, which `attend` in place instead)."""
+        """Write the new rows' k, v [B, kv_heads, N, hd] -> keys, values [B, kv_heads, key_len, hd] to attend to (a
+        drafter's own modules; the runtime's blocks `attend` in place instead)."""
         kv = self.pool.kv[layer]
         write_rows(kv, self.writes, k, v)
         reads = [kv[:, first : first + count, :, : self.key_len] for first, count, _ in self.writes.runs]  # [2, n, kv_heads, K, hd]

@@ -1,15 +1,6 @@
-"""Linear layers for serving: on a CPU, float32 (and bfloat16) products of a few rows go through oneDNN.
-
-A decoder's rounds multiply a few rows at a time by every weight: one per plain step, 2-8 per
-drafter tree level, 10-40 per verification. For such products the default float32 CPU path (BLAS
-sgemm) is slow, slowest at 2-8 rows; oneDNN with the weight reordered once at load computes the same
-float32 product 2-5x faster there (docs/runtime.md, "Linear layers"). oneDNN builds and caches a
-kernel per row count, so rows are padded up to a few bucket sizes (exact up to 8) to bound that
-cache. Single rows go through oneDNN too, so that decoding reads one copy of the weights; products
-of more than MAX_PACKED_ROWS rows (prefill) keep sgemm, which is as good there. A drafter in bfloat16 beside a
-float32 target (a CPU with bf16 units) packs the same way: oneDNN's bf16 products accumulate in float32.
-Everywhere else (CUDA, fp16, bf16 without oneDNN's bf16 products, a torch without oneDNN) `Linear` is `F.linear`.
-"""
+"""Linear layers for serving: on a CPU, products of 1 to MAX_PACKED_ROWS rows in float32 (and bfloat16 where oneDNN
+has bf16 products) go through oneDNN on a weight reordered once, rows padded to a few buckets; elsewhere `F.linear`
+(docs/runtime.md, "Linear layers")."""
 
 from typing import List, Optional, Union
 
@@ -23,8 +14,7 @@ MAX_PACKED_ROWS = 128
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a product of `rows` rows runs at: exact up to 8, then 4 sizes per doubling (<= 25% padding).
-    Plain Python that TorchScript compiles inside `linear` too."""
+    """The row count a product of `rows` rows runs at: exact up to 8, then 4 sizes per doubling (<= 25% padding)."""
     if rows <= 8:
         return rows
     top = 1  # the largest power of two <= rows
@@ -39,8 +29,7 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor], max_rows: int = MAX_PACKED_ROWS
 ) -> torch.Tensor:
     """[..., in] -> [..., out]: x W^T + b, through oneDNN's `packed` copy of W (rows padded to a bucket) when there is
-    one and the product has 1 to `max_rows` rows, else `F.linear`. TorchScript, so that the decoder's scripted blocks
-    call it without returning to Python."""
+    one and the product has 1 to `max_rows` rows, else `F.linear`."""
     rows = x.numel() // x.shape[-1]
     if packed is None or rows <= 0 or rows > max_rows:
         return F.linear(x, weight, bias)
@@ -50,22 +39,19 @@ def linear(
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])  # [R', in]
     scalars: List[Optional[Union[int, float, complex]]] = []
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", scalars, "")  # [R', out]
-    shape = x.shape[:-1]
-    shape.append(out.shape[-1])
-    return (out if padded == rows else out[:rows]).view(shape)
+    return (out if padded == rows else out[:rows]).view(list(x.shape[:-1]) + [out.shape[-1]])
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether products in `dtype` on `device` go through oneDNN at bucketed row counts: on a CPU, float32, and
-    bfloat16 where oneDNN has bf16 products (a drafter's dtype there, eyas.runtime.device.resolve_draft_dtype)."""
+    """Whether products in `dtype` on `device` go through oneDNN: on a CPU, float32, and bfloat16 where oneDNN has
+    bf16 products."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def bucketed_rows(calls: int, rows: int) -> int:
-    """Rows per call (at least `rows`, at most 25% more) such that `calls` x rows is a bucket, so the products of a
-    batch padded to it run without padding of their own; `rows` when no such count exists."""
+    """Rows per call (at least `rows`, at most 25% more) such that `calls` x rows is a bucket, else `rows`."""
     if calls * rows > MAX_PACKED_ROWS:
         return rows
     for n in range(rows, rows + rows // 4 + 1):
@@ -75,7 +61,7 @@ def bucketed_rows(calls: int, rows: int) -> int:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """[out, in] weight -> a copy reordered for oneDNN where that pays (CPU float32), else None."""
+    """[out, in] weight -> a copy reordered for oneDNN where products go through it (`packs`), else None."""
     if not packs(weight.dtype, weight.device):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
@@ -90,7 +76,7 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Linear:
-    """A frozen weight [out, in] (and bias [out]) for inference, with its oneDNN copy where that pays."""
+    """A frozen weight [out, in] (and bias [out]) for inference, with its oneDNN copy where products use one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
@@ -106,13 +92,12 @@ class Linear:
 
 
 class PackedLinear(nn.Module):
-    """A frozen `nn.Linear` for inference: keeps `weight` / `bias` (so state dicts and shapes read the
-    same) and multiplies through `Linear`."""
+    """A frozen `nn.Linear` for inference: keeps `weight` and `bias` (state dicts read the same) and multiplies
+    through `Linear`."""
 
     def __init__(self, layer: nn.Linear, shared: Linear | None = None):
-        """`shared`: a `Linear` that may already hold this layer's product (the target's own LM head, for a drafter
-        bound to it in the same process); used when its weight is the layer's own storage and neither has a bias,
-        so that one packed copy serves both, else the layer gets its own."""
+        """`shared`: a `Linear` of the same weight storage and no bias (the target's LM head, for a drafter bound to
+        it in process) whose packed copy serves this layer too; else the layer packs its own."""
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.weight = layer.weight
@@ -129,8 +114,7 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module, skip: frozenset[int] = frozenset()) -> nn.Module:
-    """Replace every `nn.Linear` inside `module` (in place) by a `PackedLinear`, but those whose id is in `skip`
-    (served otherwise); for modules that only infer."""
+    """Replace every `nn.Linear` inside `module` in place by a `PackedLinear`, but those whose id is in `skip`."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             if id(child) not in skip:

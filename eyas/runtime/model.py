@@ -1,14 +1,6 @@
-"""The Llama-family forward eyas serves with: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral
-(sliding window, applied by the caller's mask) and Mixtral (sparse MoE), from a local HF directory.
-
-Weights are fused at load (q/k/v into one projection, gate/up into one, experts stacked), dense
-projections are `Linear`s that run small products through oneDNN on a CPU (runtime/linear.py), rotary
-tables are computed once, and feature taps are plain return values. A `Shard` makes the same model one
-rank of a tensor-parallel group (runtime/shard.py, docs/groups.md): it loads only its part of each
-tensor and sums partial results with one all-reduce after o, one after the MLP, one for the embedding. KV goes wherever the
-`kv` argument writes it (a `SlotBatch` of the worker's pool). Hugging Face's modeling code is the
-reference the tests compare against; this is the serving path.
-"""
+"""The Llama-family forward eyas serves with (docs/runtime.md, "The forward"): Llama, Qwen2, Qwen3, Mistral and
+Mixtral from a local Hugging Face directory, weights fused at load, each layer TorchScript blocks, feature taps as
+return values; with a `Shard`, one rank of a tensor-parallel group (docs/groups.md)."""
 
 import json
 from dataclasses import dataclass
@@ -29,13 +21,7 @@ from .weights import WeightsError, load_state, router_name, take, take_experts, 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")  # the MLP activations `activate` computes, by config name
-
-# A layer is two TorchScript blocks (attention, MLP), or one call for both where nothing runs between them: a forward
-# comes back to the Python interpreter once or twice per layer, not once per operator (about 30 a layer;
-# docs/runtime.md, "Fewer trips through Python"). The blocks run the same operators as eager code, so their results
-# are bitwise those of eager code. The helpers they call (`rms_norm`, `activate`, `rotate`, `write_rows`, `attend`,
-# `row_bucket`) stay plain Python for Python callers, and TorchScript compiles them into the blocks. No
-# `from __future__ import annotations` here: TorchScript reads the NamedTuples' field types at run time.
+# No `from __future__ import annotations` here: TorchScript reads the NamedTuples' field types at run time.
 
 
 def activation(name: str) -> str:
@@ -57,9 +43,8 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class AttentionWeights(NamedTuple):
-    """What `attention_block` multiplies by: the input norm (None: x comes normed), q/k/v fused [(H + 2 KVH) hd, in]
-    with its bias and oneDNN copy, Qwen3's q/k norms [H + KVH, hd], o [d, H hd] with its copy and bias (None where
-    the ranks' sum comes first)."""
+    """`attention_block`'s weights: input norm (None: x comes normed), q/k/v [(H + 2 KVH) hd, in] with bias and
+    oneDNN copy, Qwen3's q/k norms [H + KVH, hd], o [d, H hd] with copy and bias (None: added after the ranks' sum)."""
 
     norm: Optional[torch.Tensor]
     qkv_weight: torch.Tensor
@@ -72,8 +57,8 @@ class AttentionWeights(NamedTuple):
 
 
 class MLPWeights(NamedTuple):
-    """What `mlp_block` multiplies by: the post-attention norm (None: x comes normed), gate/up fused [2I, d] and down
-    [d, I], each with its oneDNN copy."""
+    """`mlp_block`'s weights: post-attention norm (None: x comes normed), gate/up [2I, d] and down [d, I], each with
+    its oneDNN copy."""
 
     norm: Optional[torch.Tensor]
     gate_up_weight: torch.Tensor
@@ -83,9 +68,8 @@ class MLPWeights(NamedTuple):
 
 
 class AttentionInputs(NamedTuple):
-    """What a forward's rows attend with, the same in every layer: cos, signed sin [B, N, 1, hd]; the mask [B, 1, N, K],
-    bool or additive in the KV's dtype; the pool kv [L, 2, S, KVH, T, hd] that `writes` addresses, or None to attend
-    to the new rows alone."""
+    """What a forward's rows attend with in every layer: cos, signed sin [B, N, 1, hd]; the mask [B, 1, N, K], bool
+    or additive; the pool kv [L, 2, S, KVH, T, hd] that `writes` addresses, or None to attend to the new rows alone."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -136,8 +120,7 @@ def mlp_block(x: torch.Tensor, w: MLPWeights, act: str, eps: float) -> torch.Ten
 def residual_layer(
     x: torch.Tensor, residual: torch.Tensor, attention: AttentionWeights, mlp: MLPWeights, heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, index: int
 ) -> torch.Tensor:
-    """A dense layer whose attention reads `x` [B, N, in] and adds to `residual` [B, N, d] (x itself in a decoder
-    layer; a drafter's state where its attention reads more than the state), then + MLP, in one call."""
+    """A dense layer: `residual` [B, N, d] + attention over `x` [B, N, in] (x itself in a decoder layer), then + MLP."""
     h = residual + attention_block(x, attention, heads, kv_heads, eps, at, index)
     return h + mlp_block(h, mlp, act, eps)
 
@@ -146,9 +129,8 @@ def residual_layer(
 def dense_layers(
     x: torch.Tensor, attention: list[AttentionWeights], mlp: list[MLPWeights], heads: int, kv_heads: int, act: str, eps: float, at: AttentionInputs, taps: list[int]
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every layer of a dense model on one rank, in one call: x [B, N, d] -> the last layer's output [B, N, d], and
-    the input of each layer in `taps`, in layer order. A forward then enters TorchScript once, not once a layer: on a
-    CPU each entry from Python cost about 30 us, several times what converting its arguments takes."""
+    """Every layer of a dense model on one rank: x [B, N, d] -> the last layer's output [B, N, d] and the inputs of
+    the layers in `taps`, in layer order."""
     tapped: list[torch.Tensor] = []
     for index in range(len(attention)):
         if index in taps:
@@ -172,7 +154,7 @@ class Layer:
     router: torch.Tensor | None = None  # [E, d] (Mixtral)
 
     def __post_init__(self) -> None:
-        # the blocks' weights, gathered once (o's bias is added after the ranks' sum, outside the block)
+        # the blocks' weights (o's bias is added after the ranks' sum, outside the block)
         qkv, o = self.qkv, self.o
         self.attention_weights = AttentionWeights(self.input_norm, qkv.weight, qkv.bias, qkv.packed, self.qk_norm, o.weight, o.packed, None)
         self.mlp_weights = None
@@ -189,10 +171,7 @@ class ForwardOut:
 
 class CausalLM:
     """A frozen Llama-family decoder with fused weights on one device; `forward` runs packed rows over a KV batch.
-
-    With a `shard` of size N > 1 it holds one rank's part (`heads`, `kv_heads` and `local_experts` are then
-    this rank's; `vocab_size` stays the model's) and its collectives meet the other ranks' forwards.
-    """
+    With a `shard` of N > 1 ranks it holds one rank's part (`heads`, `kv_heads`, `local_experts` are this rank's)."""
 
     def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, shard: Shard = Shard()):
         check_shardable(config, shard.size)
@@ -255,7 +234,7 @@ class CausalLM:
                 )
             )
         self.norm = fetch("norm.weight", (d,))
-        # one scripted call for all layers where nothing runs between the blocks: one rank, dense MLPs, no o bias
+        # one scripted call for every layer where nothing runs between the blocks: one rank, dense MLPs, no o bias
         self.whole_layers = shard.size == 1 and not self.experts and all(layer.o_bias is None for layer in self.layers)
         self.attention_weights = [layer.attention_weights for layer in self.layers]  # what `dense_layers` multiplies by
         self.mlp_weights = [layer.mlp_weights for layer in self.layers]
@@ -345,8 +324,8 @@ class CausalLM:
         return ForwardOut(rms_norm(x, self.norm, self.eps), [tapped[sorted(set(taps)).index(i)] for i in taps], routed)
 
     def _layers(self, x: torch.Tensor, at: AttentionInputs, taps: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """The layers block by block (a group's all-reduces, o's bias and MoE routing run between the blocks): x
-        [B, N, d] -> the last layer's output, the tapped inputs in layer order, and each MoE layer's chosen experts."""
+        """The layers block by block, with a group's all-reduces, o's bias and MoE routing between them: x [B, N, d]
+        -> the last layer's output, the tapped inputs and each MoE layer's chosen experts."""
         tapped, routed = [], []
         for index, layer in enumerate(self.layers):
             if index in taps:

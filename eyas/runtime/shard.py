@@ -1,12 +1,6 @@
-"""Tensor parallelism: which part of each tensor a rank holds, the collectives of a sharded forward, the process
-group eyas sets up itself, and the lockstep in which rank 0 leads the other ranks (see docs/groups.md).
-
-A rank of a group of `size` holds heads [rank H/size, (rank + 1) H/size) of q and of k/v (so its KV pool
-holds the same share of every session's KV), the same share of each dense MLP's intermediate columns,
-Mixtral experts [rank E/size, (rank + 1) E/size) whole (expert parallel), and vocabulary rows
-[rank V/size, (rank + 1) V/size) of the embedding and the LM head. A size-1 shard is the plain model:
-every collective is then the identity.
-"""
+"""Tensor parallelism (docs/groups.md): the contiguous share of heads, kv heads, MLP columns, experts and vocabulary
+rows a rank holds, the collectives of a sharded forward, the process group, and `RankSteps`, which keeps the ranks'
+steps in one order. A size-1 shard is the plain model: every collective is the identity."""
 
 from __future__ import annotations
 
@@ -37,8 +31,8 @@ class GroupError(RuntimeError):
 
 @dataclass(frozen=True)
 class Shard:
-    """One rank's place in a tensor-parallel group; `group` runs the forward's collectives, `control` the
-    lockstep broadcasts (gloo, since steps are CPU objects)."""
+    """One rank's place in a tensor-parallel group; `group` runs the forward's collectives, `control` (gloo) the
+    broadcasts of steps."""
 
     rank: int = 0
     size: int = 1
@@ -65,8 +59,8 @@ class Shard:
         return torch.cat(parts, dim=-1)
 
     def embed(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup over a vocabulary-split table [V / size, d]: rows outside this rank's span are
-        zero before the all-reduce, so every rank ends with the full [B, N, d] embeddings."""
+        """tokens [B, N] over a vocabulary-split table [V / size, d] -> [B, N, d] on every rank (each rank's own rows,
+        summed)."""
         if self.size == 1:
             return torch.nn.functional.embedding(tokens, table)
         local = tokens - self.span(table.shape[0] * self.size).start
@@ -87,11 +81,8 @@ _EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.")
 
 
 def shard_selection(name: str, config, shard: Shard) -> tuple[()] | tuple[int, range] | None:
-    """Which part of checkpoint tensor `name` (prefix-stripped) this rank reads.
-
-    Returns (dim, indices) for a split tensor, () for a replicated one, None for one this rank skips
-    (another rank's expert). Names not listed (norms, router, o bias) are replicated.
-    """
+    """The part of checkpoint tensor `name` (prefix-stripped) this rank reads: (dim, indices) of a split tensor, ()
+    for a replicated one (norms, router, o bias), None for one it skips (another rank's expert)."""
     if shard.size == 1:
         return ()
     if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -158,8 +149,8 @@ def open_rendezvous(host: str) -> dist.TCPStore:
 def join_group(
     host: str, port: int, rank: int, size: int, device: torch.device, timeout: datetime.timedelta, store: dist.TCPStore | None = None
 ) -> Shard:
-    """Join this process to a group of `size` ranks meeting at rank 0's store: NCCL for the forward on CUDA,
-    gloo on CPU; the lockstep always runs over gloo. Rank 0 passes the store it opened."""
+    """Join a group of `size` ranks at rank 0's store (rank 0 passes the store it opened): the forward over NCCL on
+    CUDA and gloo on CPU, the steps over gloo."""
     if size == 1:
         return Shard()
     if store is None:
@@ -172,12 +163,9 @@ def join_group(
     return Shard(rank, size, dist.group.WORLD, control)
 
 
-class Lockstep:
-    """Rank 0 broadcasts each step (an op name and its arguments) before running it; the other ranks run the
-    steps they receive in the same order, so every collective inside a step meets on every rank.
-
-    A failed collective marks the group broken: every later step on rank 0 raises the same `GroupError`.
-    """
+class RankSteps:
+    """Rank 0 broadcasts each step (an op name and its arguments) before running it and the other ranks run the steps
+    in the same order, so every collective inside a step meets; a failed collective breaks the group for good."""
 
     def __init__(self, shard: Shard, ops: dict[str, Callable[..., Any]]):
         self.shard = shard

@@ -1,10 +1,5 @@
-"""Reading a Hugging Face checkpoint directory (config + safetensors) into eyas's fused runtime layout.
-
-Shards are read one at a time and each layer's tensors are fused as they arrive (q/k/v into one
-projection, gate/up into one, Mixtral's per-expert w1/w3/w2 into stacked expert tensors), so the
-whole unfused model is never held twice. A tensor-parallel rank reads only its part of each tensor
-(safetensors slices), never the whole model.
-"""
+"""Reading a Hugging Face checkpoint's safetensors one shard at a time, a tensor-parallel rank only its part of each
+tensor; a model fuses them as they arrive."""
 
 from __future__ import annotations
 
@@ -85,12 +80,8 @@ def take_optional(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
 
 
 def take_experts(state: dict[str, torch.Tensor], prefix: str, experts: range, d: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral experts `experts` (all of them, or a rank's share) as (gate_up [E, 2I, d], down [E, d, I]),
-    from either on-disk layout.
-
-    Original checkpoints store `block_sparse_moe.experts.{e}.w1/w3/w2.weight`; newer ones store the
-    stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (already cut to the share when read).
-    """
+    """Mixtral experts `experts` as (gate_up [E, 2I, d], down [E, d, I]), from per-expert `w1/w3/w2` or the stacked
+    `mlp.experts.gate_up_proj` / `down_proj` layout (already cut to the share when read)."""
     fused = f"{prefix}.mlp.experts.gate_up_proj"
     n = len(experts)
     if fused in state:
