@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     slots = max(args.requests, *(args.concurrency or ()), ServiceConfig.kv_slots)
     config = ServiceConfig.load(
         None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead, emulate=args.emulate, kv_slots=slots,
-        max_active=slots,
+        max_active=slots, http_port=0,
     )
     if args.tree and args.tree != "auto":
         config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
