@@ -310,14 +310,15 @@ class Choice:
             text = text.removesuffix(self.eos_texts[chunk.token_ids[-1]])
         self.tokens += chunk.token_ids
         text, self.held = self.held + text, ""
+        stop = min((i for i in map(text.find, self.stop) if i >= 0), default=-1)
+        if stop >= 0:  # the round that completed a stop string is the request's last
+            text, self.hold = text[:stop], 0
+        elif self.hold and not chunk.finish_reason:
+            cut = max(0, len(text) - self.hold)
+            text, self.held = text[:cut], text[cut:]
         if chunk.finish_reason:
             self.finish_reason = FINISH_REASONS[chunk.finish_reason]
             self.stats = {key: chunk.stats[key] for key in STATS}
-            if chunk.finish_reason == "stop":
-                text = text[: min((i for i in map(text.find, self.stop) if i >= 0), default=len(text))]
-        elif self.hold:
-            cut = max(0, len(text) - self.hold)
-            text, self.held = text[:cut], text[cut:]
         self.text.append(text)
         return text
 
