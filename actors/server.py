@@ -1,4 +1,4 @@
-"""gRPC plumbing shared by every eyas server: binding rules, the shared-token check, per-call timing.
+"""Plumbing shared by every eyas server: binding rules (the HTTP endpoint's too), the shared-token check, per-call timing.
 
 Servers bind 127.0.0.1 unless configured otherwise; binding any other address requires a shared
 token, and then every call must carry it as `x-eyas-token` metadata. Worker calls report where

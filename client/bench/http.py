@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,11 +52,22 @@ class HttpRequests:
             self._local.connection = http.client.HTTPConnection(self.host, int(self.port))
         return self._local.connection
 
-    def complete(self, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    def _post(self, body: str) -> http.client.HTTPResponse:
         connection = self._connection()
-        connection.request("POST", "/v1/completions", json.dumps(body), self.headers)
-        response = connection.getresponse()
+        try:
+            connection.request("POST", "/v1/completions", body, self.headers)
+            return connection.getresponse()
+        except ConnectionError:
+            connection.close()
+            del self._local.connection
+            raise
+
+    def complete(self, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": stream})
+        try:
+            response = self._post(body)
+        except ConnectionError:  # the server closed this thread's idle connection (its keep-alive timeout): reconnect
+            response = self._post(body)
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read().decode()}")
         if not stream:
@@ -148,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         pids = service_pids(client)
         for repeat in range(args.repeats + 1):  # the first round warms every path and each thread's connection up
+            print(f"eyas bench: {'warm-up' if not repeat else f'repeat {repeat}/{args.repeats}'}", file=sys.stderr, flush=True)
             order = SYSTEMS[repeat % len(SYSTEMS) :] + SYSTEMS[: repeat % len(SYSTEMS)]
             for name, requests, at_once, tokens in levels:
                 for system in order:
