@@ -308,3 +308,17 @@ def test_text_is_held_back_while_it_could_begin_a_stop_string_and_cut_before_it(
     assert shown == ["Hell", "o ", "", ""] and choice.finish_reason == "stop"
     eos = Choice(0, [], {2: "</s>"})
     assert eos.add(Chunk("r", 0, [7, 2], "ab</s>")) == "ab" and eos.tokens == [7, 2]
+
+
+def test_the_http_bench_sends_the_same_requests_through_each_door(served, tmp_path):
+    out = tmp_path / "bench.json"
+    models = ["--target", str(served["root"] / "target"), "--drafter", str(served["root"] / "eagle1")]
+    sizes = ["--requests", "2", "--prompt-tokens", "5", "--max-new-tokens", "4", "--repeats", "1", "--tree", "4,4,12"]
+    done = subprocess.run([*EYAS, "bench", "service", "--http", *models, *sizes, "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["identical_outputs"] is True
+    for level in ("at_1", "at_2", "at_1_one_token"):
+        assert set(record[level]) == {"grpc", "http", "http_stream", "http_over_grpc"}
+        assert all(record[level][system]["tokens_per_s"] > 0 for system in ("grpc", "http", "http_stream"))
+    assert set(record["goals_met"]) == {"http", "http_stream"}

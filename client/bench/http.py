@@ -4,8 +4,8 @@ One local service, the same greedy requests (fixed length: EOS ignored) through 
 HTTP returning one JSON body, and HTTP streaming server-sent events, one request at a time and N at once,
 and one-token requests one at a time (what a request costs beside its rounds). Each repeat runs the three
 in turn, the order rotating from repeat to repeat, so machine drift lands on all alike. The HTTP client is the standard library's (keep-alive, one connection per thread), so the
-numbers are the endpoint's cost rather than a client library's. Per request: latency and the CPU time of
-the service's processes; at N at once: tokens/s. Prints one JSON record.
+numbers are the endpoint's cost rather than a client library's. Per request: latency, the CPU time of
+the service's processes and of this process (the clients); at N at once: tokens/s. Prints one JSON record.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def cpu_model() -> str:
 def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], pool: ThreadPoolExecutor, pids: list[int]) -> dict:
     """Every prompt through `send` on `pool`'s threads (as many at once): outputs, each request's latency, tokens/s,
     and the CPU time of the service's processes per request."""
-    started, cpu = time.perf_counter(), cpu_seconds(pids)
+    started, cpu, client_cpu = time.perf_counter(), cpu_seconds(pids), time.process_time()
 
     def timed(prompt: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -103,6 +103,7 @@ def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], po
         "latency_s": list(latencies),
         "tokens_per_s": sum(map(len, outputs)) / wall,
         "cpu_ms_per_request": 1e3 * (cpu_seconds(pids) - cpu) / len(prompts),
+        "client_cpu_ms_per_request": 1e3 * (time.process_time() - client_cpu) / len(prompts),
     }
 
 
@@ -113,6 +114,7 @@ def summary(runs: list[dict]) -> dict:
         "latency_ms_mean": 1e3 * statistics.median(statistics.fmean(run["latency_s"]) for run in runs),
         "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs),
         "service_cpu_ms_per_request": statistics.median(run["cpu_ms_per_request"] for run in runs),
+        "client_cpu_ms_per_request": statistics.median(run["client_cpu_ms_per_request"] for run in runs),
     }
 
 
@@ -122,11 +124,13 @@ def added(runs: dict[str, list[dict]], system: str) -> dict:
     pairs = [h - g for hr, gr in zip(runs[system], runs["grpc"]) for h, g in zip(hr["latency_s"], gr["latency_s"])]
     fractions = [g["tokens_per_s"] / h["tokens_per_s"] - 1 for h, g in zip(runs[system], runs["grpc"])]
     cpu = [h["cpu_ms_per_request"] - g["cpu_ms_per_request"] for h, g in zip(runs[system], runs["grpc"])]
+    client_cpu = [h["client_cpu_ms_per_request"] - g["client_cpu_ms_per_request"] for h, g in zip(runs[system], runs["grpc"])]
     return {
         "added_ms_per_request": 1e3 * statistics.median(pairs),
         "added_fraction": statistics.median(fractions),
         "added_fraction_per_repeat": fractions,
         "added_service_cpu_ms_per_request": statistics.median(cpu),
+        "added_client_cpu_ms_per_request": statistics.median(client_cpu),
     }
 
 
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     n = args.requests
     if n < 2:
         raise ValueError(f"--requests: --http compares one at a time with --requests at once, so at least 2, got {n}")
+    load_before = os.getloadavg()
     pools = {1: ThreadPoolExecutor(1), n: ThreadPoolExecutor(n)}  # threads live on, and with them their HTTP connections
     # (name, requests, at once, tokens each): the requests as given, one at a time and n at once; and one-token
     # requests one at a time, four per prompt, whose latency is mostly what a request costs beside its rounds
@@ -170,7 +175,10 @@ def run(args: argparse.Namespace) -> dict:
     for pool in pools.values():
         pool.shutdown()
     record = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": cpu_model()},
+        "machine": {
+            "platform": platform.platform(), "cpus": os.cpu_count(), "processor": cpu_model(),
+            "load_average_before_and_after": [load_before, os.getloadavg()],  # other work on the machine: the noise
+        },
         "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
         "requests": n,
         "prompt_tokens": args.prompt_tokens,
