@@ -147,8 +147,8 @@ class Coordinator:
         await self._frontdoor.start()
         http_address = ""
         if self._http is not None:
-            target, drafter = self.config.models()
-            model = ServedModel.of(target, drafter, self.manifest_id, self.max_positions, self.tokenizer, self.eos)
+            target, drafter = ("", "") if self.config.emulate else self.config.models()
+            model = ServedModel.of(target, drafter, self.manifest_id, self.max_positions, self.tokenizer, self.eos, self.config.emulate)
             await self._http.start(model)
             http_address = advertised_address(self.config.host, http_bound)
             log.info("http: the OpenAI-compatible API at http://%s/v1 (model %r)", http_address, model.name)

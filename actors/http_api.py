@@ -271,9 +271,13 @@ class ServedModel:
     created: int
 
     @classmethod
-    def of(cls, target: str, drafter: str, manifest_id: str, max_positions: int, tokenizer: Any, eos: frozenset[int]) -> "ServedModel":
+    def of(
+        cls, target: str, drafter: str, manifest_id: str, max_positions: int, tokenizer: Any, eos: frozenset[int], emulate: str | None = None
+    ) -> "ServedModel":
+        """The model of a service on these directories; an emulated one (no directories) is named after its profile."""
         texts = {t: tokenizer.decode([t]) for t in eos} if tokenizer is not None else {}
-        return cls(Path(target).name, target, Path(drafter).name, drafter, manifest_id, max_positions, tokenizer, texts, int(time.time()))
+        names = (f"emulated-{Path(emulate).stem}", "emulated") if emulate else (Path(target).name, Path(drafter).name)
+        return cls(names[0], target, names[1], drafter, manifest_id, max_positions, tokenizer, texts, int(time.time()))
 
     def card(self) -> dict:
         return {

@@ -136,11 +136,18 @@ def added(runs: dict[str, list[dict]], system: str) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """The whole benchmark for the options of `eyas bench service --http`; returns its JSON record."""
-    config = ServiceConfig.load(None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead, http_port=free_port())
+    config = ServiceConfig.load(
+        None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead, emulate=args.emulate, http_port=free_port()
+    )
     if args.tree and args.tree != "auto":
         config = replace(config, tree=TreePolicy(*map(int, args.tree.split(","))))
-    target, drafter = config.models()
-    prompts = prompts_for(Engine.from_pretrained(target, drafter), args.requests, args.prompt_tokens, args.seed, args.prompts_from)
+    if args.emulate:  # timed models (docs/emulation.md): rounds as short as the profile's, so the front door weighs more
+        target = drafter = f"emulated: {args.emulate}"
+        engine = Engine.emulated(args.emulate)
+    else:
+        target, drafter = config.models()
+        engine = Engine.from_pretrained(target, drafter)
+    prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
     config = replace(
         config,
         draft_pool=PoolConfig(replicas=args.draft_workers, num_cpus=1, threads=1),
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
             "load_average_before_and_after": [load_before, os.getloadavg()],  # other work on the machine: the noise
         },
         "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+        "emulation": args.emulate,  # a profile name: every figure is then emulation
         "requests": n,
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
