@@ -5,7 +5,8 @@ HTTP returning one JSON body, and HTTP streaming server-sent events, one request
 and one-token requests one at a time (what a request costs beside its rounds). Each repeat runs the three
 in turn, the order rotating from repeat to repeat, so machine drift lands on all alike. The HTTP client is the standard library's (keep-alive, one connection per thread), so the
 numbers are the endpoint's cost rather than a client library's. Per request: latency, the CPU time of
-the service's processes and of this process (the clients); at N at once: tokens/s. Prints one JSON record.
+the service's processes, of this process (the clients) and of every other process on the machine (on a
+shared machine, what the workers competed with); at N at once: tokens/s. Prints one JSON record.
 """
 
 from __future__ import annotations
@@ -87,10 +88,16 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has used so far (Linux /proc/stat: all but idle and iowait)."""
+    ticks = list(map(int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]))
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], pool: ThreadPoolExecutor, pids: list[int]) -> dict:
     """Every prompt through `send` on `pool`'s threads (as many at once): outputs, each request's latency, tokens/s,
     and the CPU time of the service's processes per request."""
-    started, cpu, client_cpu = time.perf_counter(), cpu_seconds(pids), time.process_time()
+    started, cpu, client_cpu, machine = time.perf_counter(), cpu_seconds(pids), time.process_time(), machine_cpu_seconds()
 
     def timed(prompt: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -104,7 +111,13 @@ def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], po
         "tokens_per_s": sum(map(len, outputs)) / wall,
         "cpu_ms_per_request": 1e3 * (cpu_seconds(pids) - cpu) / len(prompts),
         "client_cpu_ms_per_request": 1e3 * (time.process_time() - client_cpu) / len(prompts),
+        "machine_cpu_ms_per_request": 1e3 * (machine_cpu_seconds() - machine) / len(prompts),
     }
+
+
+def others_cpu(run: dict) -> float:
+    """CPU ms per request that every process but the service and this one took during a run."""
+    return run["machine_cpu_ms_per_request"] - run["cpu_ms_per_request"] - run["client_cpu_ms_per_request"]
 
 
 def summary(runs: list[dict]) -> dict:
@@ -115,6 +128,7 @@ def summary(runs: list[dict]) -> dict:
         "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs),
         "service_cpu_ms_per_request": statistics.median(run["cpu_ms_per_request"] for run in runs),
         "client_cpu_ms_per_request": statistics.median(run["client_cpu_ms_per_request"] for run in runs),
+        "others_cpu_ms_per_request": statistics.median(map(others_cpu, runs)),  # interference on a shared machine
     }
 
 
@@ -125,12 +139,14 @@ def added(runs: dict[str, list[dict]], system: str) -> dict:
     fractions = [g["tokens_per_s"] / h["tokens_per_s"] - 1 for h, g in zip(runs[system], runs["grpc"])]
     cpu = [h["cpu_ms_per_request"] - g["cpu_ms_per_request"] for h, g in zip(runs[system], runs["grpc"])]
     client_cpu = [h["client_cpu_ms_per_request"] - g["client_cpu_ms_per_request"] for h, g in zip(runs[system], runs["grpc"])]
+    others = [others_cpu(h) - others_cpu(g) for h, g in zip(runs[system], runs["grpc"])]
     return {
         "added_ms_per_request": 1e3 * statistics.median(pairs),
         "added_fraction": statistics.median(fractions),
         "added_fraction_per_repeat": fractions,
         "added_service_cpu_ms_per_request": statistics.median(cpu),
         "added_client_cpu_ms_per_request": statistics.median(client_cpu),
+        "others_cpu_ms_per_request_more_than_grpc": statistics.median(others),  # interference, not this bench's work
     }
 
 
