@@ -184,7 +184,7 @@ class HttpFrontDoor:
         watcher = asyncio.create_task(_watch(request, run.queue))
         streaming = False
         try:
-            first = await run.next()  # an error before the first round (a full service) still gets its status
+            first = await run.next()  # a failure before the first round (no worker left) still gets its status code
             if gen.stream:
                 streaming = True
                 return StreamingResponse(self._events(run, first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

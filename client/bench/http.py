@@ -1,12 +1,13 @@
 """`eyas bench service --http`: what the OpenAI-compatible HTTP endpoint adds over the gRPC front door.
 
 One local service, the same greedy requests (fixed length: EOS ignored) through gRPC (the Python client),
-HTTP returning one JSON body, and HTTP streaming server-sent events, one request at a time and N at once,
-and one-token requests one at a time (what a request costs beside its rounds). Each repeat runs the three
-in turn, the order rotating from repeat to repeat, so machine drift lands on all alike. The HTTP client is the standard library's (keep-alive, one connection per thread), so the
-numbers are the endpoint's cost rather than a client library's. Per request: latency, the CPU time of
-the service's processes, of this process (the clients) and of every other process on the machine (on a
-shared machine, what the workers competed with); at N at once: tokens/s. Prints one JSON record.
+HTTP returning one JSON body, and HTTP streaming server-sent events: one request at a time, N at once, and
+one-token requests one at a time (what a request costs beside its rounds). Each repeat runs the three in
+turn, the order rotating from repeat to repeat, so machine drift lands on all alike. The HTTP client is the
+standard library's (keep-alive, one connection per thread), so the numbers are the endpoint's cost rather
+than a client library's. Per request: latency, and the CPU time of the service's processes, of this
+process (the clients) and of every other process on the machine (on a shared machine, what the workers
+competed with); at N at once: tokens/s. Prints one JSON record.
 """
 
 from __future__ import annotations
