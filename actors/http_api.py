@@ -126,9 +126,10 @@ class Generation:
         )
 
     def param(self, field: str) -> str | None:
-        """The parameter of this request that a coordinator error's field concerns."""
-        prompt = "messages" if self.kind == "chat" else "prompt"
-        return {"max_new_tokens": self.max_tokens_param, "prompt": prompt, "prompt.text": prompt}.get(field) or request_param(field)
+        """The parameter of this request that a coordinator error's field concerns (its sampling options are
+        parameters of their own over HTTP)."""
+        renamed = {"max_new_tokens": self.max_tokens_param, "prompt": "messages" if self.kind == "chat" else "prompt"}
+        return renamed.get(field) or request_param(field.removeprefix("sampling."))
 
 
 def parse_request(kind: str, body: dict) -> Generation:

@@ -217,7 +217,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": [5], "seed": "x"}, 400, "seed"),
     ("completions", {"prompt": [5], "seed": -1}, 400, "seed"),
     ("completions", {"prompt": [5], "stop": 5}, 400, "stop"),
-    ("completions", {"prompt": [5], "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": [5], "stop": ["w1", ""]}, 400, "stop[1]"),
     ("completions", {"prompt": [5], "n": "3"}, 400, "n"),
     ("completions", {"prompt": [5], "n": 0}, 400, "n"),
     ("completions", {"prompt": [5], "stream": "yes"}, 400, "stream"),
