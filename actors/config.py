@@ -29,7 +29,7 @@ from eyas.runtime.shard import ShardError, check_shardable
 from eyas.stored_tree import default_tree
 from eyas.tree import TreePolicy
 
-from .server import DEFAULT_HOST
+from .server import DEFAULT_HOST, DEFAULT_HTTP_PORT
 from .worker import WorkerSpec
 
 
@@ -109,6 +109,7 @@ class ServiceConfig:
     target_pool: PoolConfig = PoolConfig()
     host: str = DEFAULT_HOST
     token: str | None = None
+    http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP endpoint (docs/http.md); 0: none
     max_active: int = 32
     kv_slots: int = 16  # requests one worker's KV pool holds at once; more wait for a slot (admission by capacity)
     rpc_timeout_s: float = 120.0
@@ -134,7 +135,7 @@ class ServiceConfig:
         sections = _take(data, "", {"models", "tree", "pools", "network", "service", "ray"})
         models = _take(sections.get("models") or {}, "models.", {"target", "drafter", "emulate", "dtype", "draft_dtype", "feature_layers", "allow_manifest_mismatch"})
         pools = _take(sections.get("pools") or {}, "pools.", {"draft", "target"})
-        network = _take(sections.get("network") or {}, "network.", {"host", "token"})
+        network = _take(sections.get("network") or {}, "network.", {"host", "token", "http_port"})
         service = _take(sections.get("service") or {}, "service.", {"max_active", "kv_slots", "rpc_timeout_s", "ready_timeout_s", "max_rebuilds", "metrics_port", "max_request_bytes", "draft_ahead"})
         ray_section = _take(sections.get("ray") or {}, "ray.", {"num_cpus"})
         tree = sections.get("tree")
@@ -160,6 +161,7 @@ class ServiceConfig:
             target_pool=_pool(pools.get("target") or {}, "target"),
             host=network.get("host", DEFAULT_HOST),
             token=network.get("token"),
+            http_port=network.get("http_port", DEFAULT_HTTP_PORT),
             **service,
             ray_num_cpus=ray_section.get("num_cpus"),
         )
@@ -188,6 +190,8 @@ class ServiceConfig:
             raise ConfigError(f"service.metrics_port: must be null or a port number 0..65535 (0: any free port), got {self.metrics_port!r}")
         if self.ray_num_cpus is not None and (type(self.ray_num_cpus) is not int or self.ray_num_cpus < 1):
             raise ConfigError(f"ray.num_cpus: must be null or an integer >= 1, got {self.ray_num_cpus!r}")
+        if type(self.http_port) is not int or not 0 <= self.http_port < 65536:
+            raise ConfigError(f"network.http_port: must be a port number 1..65535, or 0 for no HTTP endpoint, got {self.http_port!r}")
         for key in ("rpc_timeout_s", "ready_timeout_s"):
             if not isinstance(getattr(self, key), (int, float)) or getattr(self, key) <= 0:
                 raise ConfigError(f"service.{key}: must be a positive number of seconds")

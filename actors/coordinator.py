@@ -10,7 +10,7 @@ are rebuilt elsewhere from the committed tokens with `start`. Tokens reach the c
 across a rebuild.
 
 As a Ray actor, the coordinator brings up both pools (built by the factory the cluster floor
-hands it) and serves the client-facing front door.
+hands it) and serves the client-facing front doors: gRPC, and the OpenAI-compatible HTTP endpoint.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from .draft_worker import DraftWorker
 from .driver import RoundDriver
 from .errors import ServiceError
 from .frontdoor import FrontDoor
+from .http_api import ServedModel
+from .http_frontdoor import HttpFrontDoor
 from .job import DEFAULT_MAX_NEW_TOKENS, SERVICE_PHASES, Chunk, Job
 from .limits import check_id, check_prompt_text, check_stop
 from .metrics import ServiceMetrics
@@ -81,7 +83,7 @@ class EventLog(logging.Handler):
 
 
 class Coordinator:
-    """Ray actor owning the request table and both pools; serves the front door on 127.0.0.1 by default.
+    """Ray actor owning the request table and both pools; serves the front doors on 127.0.0.1 by default.
 
     With `trace`, every request's rounds are appended to that trace file (`eyas serve --trace`).
     """
@@ -113,6 +115,7 @@ class Coordinator:
         self._executor = ThreadPoolExecutor(config.max_active, thread_name_prefix="eyas-request")
         self.rounds: RoundDriver | None = None  # every request's rounds, on the event loop (`start`)
         self._frontdoor: FrontDoor | None = None
+        self._http: HttpFrontDoor | None = None  # the OpenAI-compatible endpoint, when network.http_port is set
         self._stopped: asyncio.Event | None = None
         self.ray_address = ""
         self.log = EventLog()
@@ -122,24 +125,39 @@ class Coordinator:
         service_log.propagate = False
 
     # -- lifecycle (Ray actor methods) -----------------------------------------------------------
-    async def start(self, port: int = 50051) -> str:
-        """Take the front door's port (a busy one fails here, before any worker starts), bring up both pools,
-        then serve; returns the front door's address once every pool is ready."""
+    async def start(self, port: int = 50051) -> tuple[str, str]:
+        """Take the front doors' ports (a busy one fails here, before any worker starts), bring up both pools, then
+        serve; returns the gRPC front door's address and the HTTP endpoint's ("" when off) once every pool is ready."""
         self._stopped = asyncio.Event()
         self.rounds = RoundDriver(asyncio.get_running_loop(), lambda pool, calls: self.metrics.batch_calls.labels(pool).observe(calls))
         self.ray_address = ray.get_runtime_context().gcs_address
         self._frontdoor = FrontDoor(self)
-        bound = self._frontdoor.bind(self.config.host, port, self.config.shared_token, self.config.max_request_bytes)
         try:
+            bound = self._frontdoor.bind(self.config.host, port, self.config.shared_token, self.config.max_request_bytes)
+            if self.config.http_port:
+                self._http = HttpFrontDoor(self, self.metrics, self.config.shared_token, self.config.max_request_bytes)
+                http_bound = self._http.bind(self.config.host, self.config.http_port)
             await asyncio.to_thread(self.bring_up)
         except BaseException:
-            await self._frontdoor.stop()
+            await self._stop_doors()
             raise
         if self.config.metrics_port is not None:
             metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
             self.metrics_address = advertised_address(self.config.host, metrics_port)
         await self._frontdoor.start()
-        return advertised_address(self.config.host, bound)
+        http_address = ""
+        if self._http is not None:
+            target, drafter = ("", "") if self.config.emulate else self.config.models()
+            model = ServedModel.of(target, drafter, self.manifest_id, self.max_positions, self.tokenizer, self.eos, self.config.emulate)
+            await self._http.start(model)
+            http_address = advertised_address(self.config.host, http_bound)
+            log.info("http: the OpenAI-compatible API at http://%s/v1 (model %r)", http_address, model.name)
+        return advertised_address(self.config.host, bound), http_address
+
+    async def _stop_doors(self) -> None:
+        for door in (self._frontdoor, self._http):
+            if door is not None:
+                await door.stop()
 
     def events(self, seen: int) -> tuple[int, list[str]]:
         """Progress lines after the first `seen` (see `EventLog`), and the new count."""
@@ -152,8 +170,7 @@ class Coordinator:
             jobs = list(self.jobs.values())
         for job in jobs:
             job.cancelled.set()
-        if self._frontdoor is not None:
-            await self._frontdoor.stop()
+        await self._stop_doors()
         await asyncio.to_thread(lambda: [pool.stop() for pool in self.pools.values()])
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         if self.rounds is not None:
@@ -223,23 +240,27 @@ class Coordinator:
         prompt: str | Sequence[int],
         emit: Callable[[Chunk | Exception], None],
         request_id: str = "",
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
         sampling: dict | None = None,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         tree: TreePolicy | None = None,
         trace: bool = False,
+        special_tokens: bool = True,
     ) -> Job:
         """Validate a request, enter it in the request table and queue it; `emit` receives its chunks
-        (with this request's trace frames when `trace`)."""
+        (with this request's trace frames when `trace`). `max_new_tokens` None: up to the target's last position;
+        `special_tokens` False: a text prompt is tokenized without the tokenizer's own (a rendered chat template)."""
         check_id(request_id, "request_id")
         check_stop(list(stop))
         sampling_params = make_sampling("sampling.", **(sampling or {}))
-        rules = StopRules(max_new_tokens, frozenset() if ignore_eos else self.eos, tuple(stop))
+        eos = frozenset() if ignore_eos else self.eos
+        rules = StopRules(max_new_tokens, eos, tuple(stop)) if max_new_tokens is not None else None
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_positions)
         where = f"the target's {self.max_positions} positions"
-        ids = prompt_within(prompt, self.tokenizer, self.vocab_size, max_new_tokens, self.max_positions, where)
+        ids = prompt_within(prompt, self.tokenizer, self.vocab_size, max_new_tokens, self.max_positions, where, special_tokens)
+        rules = rules or StopRules(self.max_positions - len(ids), eos, tuple(stop))  # None: as many new tokens as fit
         policy = self._check_tree(tree) if tree is not None else None if self.config.policy == "auto" else self.config.policy
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         state = RequestState(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling_params, rules, decode=decode)

@@ -30,7 +30,7 @@ from .server import bind_server
 _END = object()
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[object], None]:
+def emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[object], None]:
     """A thread-safe way for request threads to hand items to a call's event loop."""
 
     def emit(item: object) -> None:
@@ -142,7 +142,7 @@ class FrontDoor(spb_grpc.EyasServicer):
     async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[spb.TokenChunk]:
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            job = await asyncio.to_thread(self._admit, request, _emitter(asyncio.get_running_loop(), queue))
+            job = await asyncio.to_thread(self._admit, request, emitter(asyncio.get_running_loop(), queue))
         except Exception as exc:
             await abort(context, exc)
         finished = False
@@ -180,7 +180,7 @@ class FrontDoor(spb_grpc.EyasServicer):
                         failure = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "item", f"item {items} is not a JobItem: {exc}")
                         results.put_nowait(_job_failure("", failure))
                         continue
-                    collector = _Collector(item.id, self.coordinator.manifest_id, _emitter(loop, results))
+                    collector = _Collector(item.id, self.coordinator.manifest_id, emitter(loop, results))
                     try:
                         wire.check_known(item)
                         check_id(item.id, "id")

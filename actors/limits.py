@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16  # GenerateRequest.stop: entries
 MAX_STOP_BYTES = 256  # GenerateRequest.stop: UTF-8 bytes of one entry
 PROMPT_BYTES_PER_POSITION = 16  # GenerateRequest.text: at most this many UTF-8 bytes per target position
 MAX_POOL_SIZE = 256  # ScaleRequest.draft / target
+MAX_CHOICES = 16  # HTTP `n`: samples of one request, each a request of its own in the coordinator
 
 
 def check_id(value: str, field: str, limit: int = MAX_ID_BYTES) -> None:

@@ -63,6 +63,9 @@ class ServiceMetrics:
         self.batch_calls = Histogram(
             "eyas_batch_calls", "Requests' calls per Batch call sent to a worker, by pool", ["pool"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r
         )
+        self.http_requests = Counter(
+            "eyas_http_requests", "Requests to the OpenAI-compatible HTTP endpoint, by endpoint and status code", ["endpoint", "status"], registry=r
+        )
         self._recent: deque[tuple[float, int, str]] = deque()
         self._recent_tokens: dict[str, int] = {}  # label -> tokens of the rounds in `_recent` (every label seen: 0 when none)
         self._lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""gRPC plumbing shared by every eyas server: binding rules, the shared-token check, per-call timing.
+"""Plumbing shared by every eyas server: binding rules (the HTTP endpoint's too), the shared-token check, per-call timing.
 
 Servers bind 127.0.0.1 unless configured otherwise; binding any other address requires a shared
 token, and then every call must carry it as `x-eyas-token` metadata. Worker calls report where
@@ -19,6 +19,8 @@ import grpc
 from eyas.rpc import TOKEN_KEY
 
 DEFAULT_HOST = "127.0.0.1"  # what every server binds unless configured otherwise
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP endpoint's (network.http_port; docs/http.md)
+HTTP_PORT = ("network.http_port", "--http-port (0: no HTTP endpoint)")  # how a busy HTTP port's error names the setting
 TIMING_KEY = "eyas-timing"
 WORKER_MESSAGE_BYTES = 256 << 20  # largest message between coordinator and workers (a long prefill's features)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", WORKER_MESSAGE_BYTES), ("grpc.max_send_message_length", WORKER_MESSAGE_BYTES)]
@@ -129,26 +131,36 @@ def bind_server(
     return server, bound
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, field: str = "port", flag: str = "--port") -> None:
     """Raise `OSError` naming host:port if something holds it (port 0 always passes: the server picks one)."""
-    if port and not _bindable(host, port):
-        raise _busy(host, port)
+    if port:
+        _bind(host, port, field, flag).close()
 
 
-def _busy(host: str, port: int) -> OSError:
-    return OSError(f"port: {host_port(host, port)} is in use (another eyas serve?); choose another with --port")
+def listening_socket(host: str, port: int, field: str, flag: str) -> socket.socket:
+    """A socket listening on host:port for a server that takes its socket ready-made (HTTP); a busy port is refused
+    here, naming the config `field` and the command-line `flag` that choose another."""
+    sock = _bind(host, port, field, flag)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
-def _bindable(host: str, port: int) -> bool:
-    """Whether nothing holds host:port (a probe socket binds it as gRPC does, with SO_REUSEADDR)."""
+def _busy(host: str, port: int, field: str = "port", flag: str = "--port") -> OSError:
+    return OSError(f"{field}: {host_port(host, port)} is in use (another eyas serve?); choose another with {flag}")
+
+
+def _bind(host: str, port: int, field: str, flag: str) -> socket.socket:
+    """A socket bound to host:port with SO_REUSEADDR, as gRPC binds (no SO_REUSEPORT), or `_busy`."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError:
-            return False
-    return True
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise _busy(host, port, field, flag) from None
+    return sock
 
 
 async def start_server(

@@ -13,7 +13,7 @@ from typing import TextIO
 
 import yaml
 
-from eyas.actors.server import DEFAULT_HOST, check_port, is_loopback
+from eyas.actors.server import DEFAULT_HOST, DEFAULT_HTTP_PORT, HTTP_PORT, check_port, is_loopback
 from eyas.assets import DEFAULT_DRAFTER, demo_model
 from eyas.client.bench.commands import add_bench_commands
 from eyas.client.client import Client, EyasError, default_address
@@ -134,14 +134,14 @@ def generate_service(args: argparse.Namespace) -> int:
 
 def generate_embedded(args: argparse.Namespace) -> int:
     """Start a service (embedded Ray, a free port) for one generation, then stop it."""
-    host = configured_host(args.config)
+    host, _ = configured_network(args.config)
     rayenv.prepare_embedded(loopback=is_loopback(host))
     from eyas.actors.config import ServiceConfig
     from eyas.cluster.service import Service
     from eyas.tree import TreePolicy
 
     quiet_loading()
-    config = ServiceConfig.load(args.config)
+    config = replace(ServiceConfig.load(args.config), http_port=0)  # one gRPC call: no HTTP endpoint to collide on
     overrides = {"target": args.target, "drafter": args.drafter}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     knobs = tree_args(args)
@@ -305,10 +305,12 @@ def cmd_vllm_setup(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the disaggregated service: Ray (embedded, or the cluster at --address), a draft pool, a target pool,
-    and the client-facing front door; prints `eyas ready at HOST:PORT` once every pool is ready."""
+    the client-facing gRPC front door and the OpenAI-compatible HTTP endpoint (docs/http.md); prints
+    `eyas ready at HOST:PORT` (the gRPC address) once every pool is ready, the HTTP address on stderr."""
     say = lambda line: print(f"eyas serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    host = configured_host(args.config)
+    host, http_port = configured_network(args.config)
     check_port(host, args.port)  # a busy port is refused before anything loads
+    check_port(host, http_port if args.http_port is None else args.http_port, *HTTP_PORT)
     if args.address is None:
         rayenv.prepare_embedded(loopback=is_loopback(host))
     ready = own_stdout()
@@ -317,8 +319,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from eyas.cluster.service import serve
 
     quiet_loading()
+    config = ServiceConfig.load(args.config)
+    if args.http_port is not None:
+        config = replace(config, http_port=args.http_port)
+        config.check()
     serve(
-        ServiceConfig.load(args.config),
+        config,
         args.address,
         args.port,
         lambda address: print(f"eyas ready at {address}", file=ready, flush=True),
@@ -338,12 +344,14 @@ def own_stdout() -> TextIO:
     return out
 
 
-def configured_host(config: str | None) -> str:
-    """`network.host` of a service config file, read without loading the service (whose load checks the rest)."""
+def configured_network(config: str | None) -> tuple[str, int]:
+    """`network.host` and `network.http_port` of a service config file, read without loading the service (whose
+    load checks the rest: a value of the wrong type reads as the default here)."""
     data = yaml.safe_load(Path(config).read_text()) if config else None
     network = data.get("network") if isinstance(data, dict) else None
-    host = network.get("host") if isinstance(network, dict) else None
-    return host if isinstance(host, str) else DEFAULT_HOST
+    network = network if isinstance(network, dict) else {}
+    host, http_port = network.get("host"), network.get("http_port")
+    return host if isinstance(host, str) else DEFAULT_HOST, http_port if type(http_port) is int and 0 <= http_port < 65536 else DEFAULT_HTTP_PORT
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -455,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="service YAML: models, tree policy, pools, network (see configs/local.yaml)")
     serve.add_argument("--address", help="join the Ray cluster at this address instead of starting an embedded one")
     serve.add_argument("--port", type=int, default=50051, help="front door port on 127.0.0.1 (default 50051; 0 picks one)")
+    serve.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP endpoint port on the same host (default: the config's network.http_port, 8000; 0: none)")
     serve.add_argument("--trace", help="append every request's rounds to this trace file")
     serve.add_argument("--allow-insecure-ray", action="store_true", help="start or join a Ray whose control plane takes calls without a token (RAY_AUTH_MODE=disabled, or a cluster started without token authentication); refused otherwise (docs/deploy.md)")
     serve.set_defaults(func=cmd_serve)

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eyas.actors.config import ConfigError, ServiceConfig
 from eyas.actors.coordinator import Coordinator
-from eyas.actors.server import check_port
+from eyas.actors.server import HTTP_PORT, check_port
 
 from . import rayenv
 from .pools import Pool, root_cause
@@ -74,6 +74,7 @@ class Service:
         self.port = port
         self.trace = str(Path(trace).resolve()) if trace else None
         self.address = ""
+        self.http_address = ""  # the OpenAI-compatible endpoint's host:port, when the config's network.http_port is set
         self.coordinator: ray.actor.ActorHandle | None = None
         self._owns_ray = False
         self._on_progress = on_progress
@@ -86,6 +87,7 @@ class Service:
             self.config.check_drafter()  # so is a drafter directory holding no drafter
         self.config.check_target_split()  # so is a target group that cannot split the target evenly
         check_port(self.config.host, self.port)  # so is a busy front-door port (the coordinator runs on this node)
+        check_port(self.config.host, self.config.http_port, *HTTP_PORT)  # and a busy HTTP port
         if not ray.is_initialized():
             embedded = self.ray_address is None
             if embedded:  # this machine is the whole cluster: a group must fit its devices
@@ -123,7 +125,7 @@ class Service:
             while not ray.wait([started], timeout=PROGRESS_POLL_S)[0]:
                 self.report()
             self.report()
-            self.address = ray.get(started)
+            self.address, self.http_address = ray.get(started)
         except BaseException as exc:
             self.stop()
             cause = root_cause(exc)

@@ -107,17 +107,24 @@ def tokenize_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int) -> 
 
 
 def prompt_within(
-    prompt: str | Sequence[int], tokenizer, vocab_size: int, max_new_tokens: int, capacity: int, where: str
+    prompt: str | Sequence[int],
+    tokenizer,
+    vocab_size: int,
+    max_new_tokens: int | None,
+    capacity: int,
+    where: str,
+    special_tokens: bool = True,
 ) -> list[int]:
-    """`tokenize_prompt` for a request of `max_new_tokens` within `capacity` positions (`where` names them): a
-    prompt leaving no room for one new token is refused naming `prompt` (a text stops tokenizing once that is
-    known), one leaving room for fewer than `max_new_tokens` naming `max_new_tokens`."""
-    ids = _prompt_ids(prompt, tokenizer, capacity - 1)
+    """`tokenize_prompt` for a request of `max_new_tokens` (None: as many as fit) within `capacity` positions (`where`
+    names them): a prompt leaving no room for one new token is refused naming `prompt` (a text stops tokenizing once
+    that is known), one leaving room for fewer than `max_new_tokens` naming `max_new_tokens`. `special_tokens` False
+    tokenizes a text without the tokenizer's own special tokens (a rendered chat template writes those it wants)."""
+    ids = _prompt_ids(prompt, tokenizer, capacity - 1, special_tokens)
     if ids is None or len(ids) >= capacity:
         count = f"more than {capacity - 1}" if ids is None else len(ids)
         raise RequestError("prompt", f"{count} tokens leave no room for a new token within {where}")
     ids = _checked_ids(ids, vocab_size)
-    if len(ids) + max_new_tokens > capacity:
+    if max_new_tokens is not None and len(ids) + max_new_tokens > capacity:
         raise RequestError(
             "max_new_tokens",
             f"{max_new_tokens} new tokens after a prompt of {len(ids)} tokens exceed {where}: at most {capacity - len(ids)} fit",
@@ -128,17 +135,17 @@ def prompt_within(
 CUT_SLACK = 16  # tokens a cut through a text may add next to it, beyond the whole text's tokens over the same span
 
 
-def _prompt_ids(prompt: str | Sequence[int], tokenizer, limit: int | None) -> list[int] | None:
+def _prompt_ids(prompt: str | Sequence[int], tokenizer, limit: int | None, special_tokens: bool = True) -> list[int] | None:
     """A prompt's token ids; None for a text found to hold more than `limit` tokens before all of it was tokenized."""
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     if tokenizer is None:
         raise RequestError("prompt", "a text prompt needs the target's tokenizer; pass token ids instead")
     if limit is None:
-        return tokenizer.encode(prompt, verbose=False)
+        return tokenizer.encode(prompt, verbose=False, add_special_tokens=special_tokens)
     cut = 4 * limit  # characters: most texts hold fewer tokens than this, and are tokenized once, whole
     while True:
-        ids = tokenizer.encode(prompt[:cut], verbose=False)
+        ids = tokenizer.encode(prompt[:cut], verbose=False, add_special_tokens=special_tokens)
         if cut >= len(prompt):
             return ids
         if len(ids) > limit + CUT_SLACK:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import yaml
-from tests.helpers.servicekit import EYAS, TREE, build_models, cli_in_fresh_process
+from tests.helpers.servicekit import EYAS, TREE, build_models, cli_in_fresh_process, free_port
 from tests.helpers.tiny import make_drafter, make_target
 
 from eyas import Engine
@@ -22,13 +22,6 @@ from eyas.client.cli import build_parser, read_prompt
 
 def eyas(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*EYAS, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +81,7 @@ def test_an_embedded_ray_without_token_authentication_is_refused_before_it_start
     target, drafter = models
     config = tmp_path / "service.yaml"
     config.write_text(yaml.safe_dump({"models": {"target": str(target), "drafter": str(drafter)}}))
-    done = eyas("serve", "--config", str(config), "--port", "0", RAY_AUTH_MODE="disabled")
+    done = eyas("serve", "--config", str(config), "--port", "0", "--http-port", "0", RAY_AUTH_MODE="disabled")
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == (
         "eyas serve: error: ray: RAY_AUTH_MODE=disabled would start Ray without token authentication: anyone who reaches "
@@ -108,7 +101,7 @@ def test_joining_a_ray_cluster_without_token_authentication_needs_allow_insecure
     joined = []
     try:
         gcs = open_ray.stdout.readline().strip()
-        serve = [*EYAS, "serve", "--address", gcs, "--config", str(config), "--port", "0"]
+        serve = [*EYAS, "serve", "--address", gcs, "--config", str(config), "--port", "0", "--http-port", "0"]
         refused = subprocess.run(serve, capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr.splitlines()[-1].startswith(f"eyas serve: error: ray: the Ray cluster at {gcs} takes calls without a token: ")
@@ -163,6 +156,6 @@ def test_top_k_means_sampling_only_and_the_old_tree_names_are_refused(tmp_path):
     assert done.stderr.strip().endswith("the tree's expansion width is --tree-width, sampling top-k is --sample-top-k")
     config = tmp_path / "old.yaml"
     config.write_text("tree:\n  top_k: 4\n")
-    done = eyas("serve", "--config", str(config), "--port", "0")
+    done = eyas("serve", "--config", str(config), "--port", "0", "--http-port", "0")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().endswith("tree.top_k: the tree's expansion width is now called width (top_k is sampling top-k only)")

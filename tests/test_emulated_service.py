@@ -27,6 +27,7 @@ def svc(ray_session, request):
         "tree": TREE,
         "pools": {"draft": {"replicas": 2}, "target": {"replicas": 1}},
         "service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "draft_ahead": request.param, "kv_slots": 16},
+        "network": {"http_port": 0},
     })
     service = Service(config, port=0).start()
     client = Client(service.address)

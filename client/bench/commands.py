@@ -82,8 +82,9 @@ def run_and_write(module: str, args: argparse.Namespace) -> int:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
-    """The service's time per round against the in-process engine's, split by phase, and what concurrency buys."""
-    return run_and_write("service", args)
+    """The service's time per round against the in-process engine's, split by phase, and what concurrency buys;
+    with --http, what the OpenAI-compatible HTTP endpoint adds over gRPC (docs/http.md#cost)."""
+    return run_and_write("http" if args.http else "service", args)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -217,6 +218,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--concurrency", type=row_counts, help="also n requests at once through the service against generate_batch of n, for each n of a list (e.g. 1,8,64)")
     service.add_argument("--ahead-sweep", type=row_counts, help="instead of the comparison with the engine: for each number of trees drafted ahead (e.g. 1,2,4,8,16), the hit rate in the service and in process, and the service's tokens/s, one request at a time")
     service.add_argument("--pools", type=pool_sizes, help="instead of the comparison with the engine: throughput of --requests at once on services of each draft:target pool size (e.g. 1:1,1:2,2:1)")
+    service.add_argument("--http", action="store_true", help="instead: the same requests through the HTTP endpoint (JSON and streamed) and gRPC, interleaved, one at a time and --requests at once (with --emulate, on timed models)")
     service.add_argument("--json", help="where the JSON record goes (default: stdout)")
     service.set_defaults(func=cmd_service)
 

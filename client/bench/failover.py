@@ -69,7 +69,7 @@ def kill_round(client: Client) -> dict:
 
 
 def failover(targets: int, repeats: int) -> dict:
-    config = ServiceConfig.from_dict({"models": {"dtype": "float32"}, "pools": {"draft": {"replicas": 1}, "target": {"replicas": targets}}})
+    config = ServiceConfig.from_dict({"models": {"dtype": "float32"}, "pools": {"draft": {"replicas": 1}, "target": {"replicas": targets}}, "network": {"http_port": 0}})
     with Service(config, port=0) as service, Client(service.address) as client:
         rounds = []
         for _ in range(repeats):
@@ -88,7 +88,7 @@ def failover(targets: int, repeats: int) -> dict:
 
 def health_under_refusals(refusals: int = 6) -> dict:
     """Health latency while prompts just under the message cap are refused for length."""
-    config = ServiceConfig.from_dict({"models": {"dtype": "float32"}})
+    config = ServiceConfig.from_dict({"models": {"dtype": "float32"}, "network": {"http_port": 0}})
     prompt = "w" * (config.max_request_bytes - 4096)  # the largest text the front door decodes
     with Service(config, port=0) as service, Client(service.address) as client:
         latencies: list[float] = []

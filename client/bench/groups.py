@@ -109,6 +109,7 @@ def service_part(size: int, tokens: int) -> dict:
         "tree": {"width": 4, "depth": 4, "budget": 12},
         "models": {"dtype": "float32"},  # one dtype for target and drafter on CPU
         "ray": {"num_cpus": 4},
+        "network": {"http_port": 0},
     }
     with Service(ServiceConfig.from_dict(data), port=0) as service:
         client = Client(service.address)

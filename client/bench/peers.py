@@ -80,7 +80,7 @@ class ServiceRunner:
     """The service on an embedded Ray instance: one draft worker, one target worker, one request at a time."""
 
     def __init__(self, target: Path, drafter: Path, dtype: str, draft_ahead: int = 0):
-        config = ServiceConfig.load(None, target=str(target), drafter=str(drafter), dtype=dtype, draft_ahead=draft_ahead)
+        config = ServiceConfig.load(None, target=str(target), drafter=str(drafter), dtype=dtype, draft_ahead=draft_ahead, http_port=0)
         self.service = Service(config, port=free_port()).start()
         self.client = Client(self.service.address)
 

@@ -56,10 +56,26 @@ def command_line(pid: str) -> bytes:
 
 
 def service_pids(client: Client) -> list[int]:
-    """The coordinator's and every worker's process id (all on this machine)."""
+    """The coordinator's and every worker's process id (all on this machine; the coordinator is the one below this
+    process, whose embedded Ray started it: other services on a shared machine have theirs)."""
     workers = [w["pid"] for pool in client.status()["pools"] for w in pool["workers"]]
-    coordinator = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and command_line(pid).startswith(b"ray::Coordinator")]
+    coordinator = [pid for pid in descendants(os.getpid()) if command_line(str(pid)).startswith(b"ray::Coordinator")]
     return workers + coordinator
+
+
+def descendants(root: int) -> list[int]:
+    """The processes below `root` in the process tree (Linux /proc)."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended since /proc was listed
+    found, level = [], {root}
+    while level:
+        level = {pid for pid, parent in parents.items() if parent in level}
+        found += level
+    return found
 
 
 def one_at_a_time(
@@ -276,7 +292,7 @@ def run(args: argparse.Namespace) -> dict:
     slots = max(args.requests, *(args.concurrency or ()), ServiceConfig.kv_slots)
     config = ServiceConfig.load(
         None, target=args.target, drafter=args.drafter, draft_ahead=args.draft_ahead, emulate=args.emulate, kv_slots=slots,
-        max_active=slots,
+        max_active=slots, http_port=0,
     )
     if args.tree:
         config = replace(config, tree="auto" if args.tree == "auto" else TreePolicy(*map(int, args.tree.split(","))))

@@ -43,7 +43,7 @@ def requests(count: int, max_new_tokens: int):
 
 
 def run(args: argparse.Namespace) -> dict:
-    config = ServiceConfig.load(args.config, **{k: v for k, v in (("target", args.target), ("drafter", args.drafter)) if v})
+    config = ServiceConfig.load(args.config, http_port=0, **{k: v for k, v in (("target", args.target), ("drafter", args.drafter)) if v})
     config = replace(config, tree="auto" if args.tree == "auto" else TreePolicy(*map(int, args.tree.split(","))))
     samples: list[tuple[int, int]] = []
     done, failed = 0, 0

@@ -16,7 +16,7 @@ from typing import Any
 
 from eyas.train.corpus import Corpus, collect
 from eyas.demo.lm import PRESETS, encode_docs, train_lm
-from eyas.demo.tokenizer import load_tokenizer, train_tokenizer
+from eyas.demo.tokenizer import add_chat_template, load_tokenizer, train_tokenizer
 
 EPOCHS = {"target": 3.0, "draft-lm": 1.0, "moe": 1.0}
 LR = 2e-3
@@ -38,7 +38,8 @@ def tokenizer_dir(corpus: Corpus, work_dir: Path) -> Path:
 
 def build_base_model(name: str, out_root: str | Path = "models/demo", work_dir: str | Path = "runs/demo",
                      steps: int | None = None, seed: int = 0, corpus: Corpus | None = None) -> dict[str, Any]:
-    """Train (or resume) one base model of PRESETS[name] into out_root/name; return its report.
+    """Train (or resume) one base model of PRESETS[name] into out_root/name (the target with the demo chat template);
+    return its report.
 
     steps defaults to EPOCHS[name] passes over the training corpus.
     """
@@ -47,8 +48,11 @@ def build_base_model(name: str, out_root: str | Path = "models/demo", work_dir: 
     tok = tokenizer_dir(corpus, work_dir)
     if steps is None:
         steps = steps_for(len(encode_docs(load_tokenizer(tok), corpus.train)), EPOCHS[name])
-    return train_lm(Path(out_root) / name, tok, PRESETS[name], seed, steps=steps, corpus=corpus, work_dir=work_dir / name,
-                    seq_len=SEQ_LEN, batch_size=BATCH_SIZE, lr=LR, bf16=True)
+    report = train_lm(Path(out_root) / name, tok, PRESETS[name], seed, steps=steps, corpus=corpus, work_dir=work_dir / name,
+                      seq_len=SEQ_LEN, batch_size=BATCH_SIZE, lr=LR, bf16=True)
+    if name == "target":  # before any drafter is trained: the template is part of the target's fingerprint
+        add_chat_template(Path(out_root) / name)
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,6 +10,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 EOT = "<|endoftext|>"  # separates documents; bos and eos
 PAD = "<|pad|>"  # never occurs in text, so `generate` can tell padding from a real end of text
+# The demo target's chat template (chat_template.jinja beside it; docs/http.md#chat): the target is a base model of Python
+# source with no chat training, so a conversation renders as one file, each message's content on its own line in order,
+# and the reply continues it.
+CHAT_TEMPLATE = (
+    "{#- eyas demo target: a base model of Python source with no chat training. A conversation renders as one file: "
+    "each message's content on its own line, in order; the reply continues it. -#}\n"
+    '{%- for message in messages %}{% if not loop.first %}{{ "\\n" }}{% endif %}{{ message["content"] }}{% endfor %}\n'
+)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, out_dir: str | Path | None = None,
@@ -26,6 +34,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, out_dir: str |
     if out_dir is not None:
         fast.save_pretrained(out_dir)
     return fast
+
+
+def add_chat_template(model_dir: str | Path) -> None:
+    """Give a demo model's tokenizer the demo chat template (part of its tokenizer, so of a target's fingerprint)."""
+    Path(model_dir, "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -52,7 +53,8 @@ def build_models(root: Path, kind: str = "eagle1") -> tuple[Path, Path]:
 
 
 def service_config(target: Path, drafter: Path, draft: int = 1, targets: int = 1, **sections) -> ServiceConfig:
-    """A config for the tiny models with the given pool sizes; `sections` override whole YAML sections."""
+    """A config for the tiny models with the given pool sizes; `sections` override whole YAML sections. No HTTP
+    endpoint unless `network` sets one (tests never count on a fixed port being free)."""
     data = {
         "models": {"target": str(target), "drafter": str(drafter)},
         "tree": TREE,
@@ -60,6 +62,7 @@ def service_config(target: Path, drafter: Path, draft: int = 1, targets: int = 1
         "service": {"ready_timeout_s": 120, "rpc_timeout_s": 60},
     }
     data.update(sections)
+    data["network"] = {"http_port": 0, **(data.get("network") or {})}
     return ServiceConfig.from_dict(data)
 
 
@@ -133,10 +136,18 @@ class Served:
     log: Path
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def start_serve(root: Path, target: Path, drafter: Path, env: dict[str, str] | None = None, **sections) -> Served:
     """Run `eyas serve` on the tiny models (2 Ray CPUs; `sections` add YAML sections, `env` environment variables)
-    until it is ready."""
+    until it is ready; its HTTP endpoint is off unless `network` sets network.http_port."""
     config = {"models": {"target": str(target), "drafter": str(drafter)}, "tree": TREE, "ray": {"num_cpus": 2}, **sections}
+    config["network"] = {"http_port": 0, **(config.get("network") or {})}
     (root / "service.yaml").write_text(yaml.safe_dump(config))
     log = root / "serve.log"
     with log.open("w") as stderr:
