@@ -246,7 +246,7 @@ class Worker:
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                return (await self._answer(endpoints, raw)).SerializeToString()
+                return (await self._reply(endpoints, self._parse(endpoints, raw))).SerializeToString()
             except Exception as exc:
                 await abort(context, exc)
 
@@ -260,14 +260,14 @@ class Worker:
         async def handle(requests, context: grpc.aio.ServicerContext) -> None:
             writing, answers = asyncio.Lock(), set()
 
-            async def answer(raw: bytes) -> None:
-                reply = await self._answer(endpoints, raw)
+            async def answer(batch: pb.CallBatch) -> None:
+                reply = await self._reply(endpoints, batch)
                 async with writing:
                     await context.write(reply.SerializeToString())
 
             try:
                 async for raw in requests:
-                    task = asyncio.ensure_future(answer(raw))
+                    task = asyncio.ensure_future(answer(self._parse(endpoints, raw)))  # a bad message ends the stream here
                     answers.add(task)
                     task.add_done_callback(answers.discard)
                 await asyncio.gather(*answers)
@@ -276,15 +276,19 @@ class Worker:
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
-    async def _answer(self, endpoints: dict[str, tuple[type[Message], Callable]], raw: bytes) -> pb.CallBatchReply:
-        """A CallBatch's reply: each call's own result (status, reply, phase seconds, forwards); raises for a message
-        that is not a batch of one of `endpoints`."""
+    @staticmethod
+    def _parse(endpoints: dict[str, tuple[type[Message], Callable]], raw: bytes) -> pb.CallBatch:
+        """`raw` as a CallBatch of one of `endpoints`, else the refusal naming `message` or `method`."""
         try:
             batch = pb.CallBatch.FromString(raw)
         except DecodeError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "message", f"not a CallBatch: {exc}")
         if batch.method not in endpoints:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "method", f"{batch.method!r} is not one of {sorted(endpoints)}")
+        return batch
+
+    async def _reply(self, endpoints: dict[str, tuple[type[Message], Callable]], batch: pb.CallBatch) -> pb.CallBatchReply:
+        """A CallBatch's reply: each call's own result (status, reply, phase seconds, forwards)."""
         results = []
         for call in await self._serve(batch.method, *endpoints[batch.method], list(batch.calls)):
             timing = {

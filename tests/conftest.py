@@ -6,12 +6,11 @@ import torch
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray instance for every test of the session that needs one (workers, services, Ray Train): each
-    starts in seconds, so a session pays for it once. Logical CPUs enough for the largest service a test starts."""
+    """The session's one local Ray instance (workers, services, Ray Train), started by the first module that needs it
+    and again after a module that ran a cluster of its own; logical CPUs enough for the largest service a test starts."""
     import ray  # only the tests that need Ray load it
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

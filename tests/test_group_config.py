@@ -13,6 +13,11 @@ from eyas.actors.config import ConfigError
 from eyas.cluster.service import Service
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_ray():
+    ray.shutdown()  # these refusals come before an embedded Ray starts: none may be running (the next module needing one starts it)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("groupconfig")

@@ -139,6 +139,7 @@ def suite_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown suite {sorted(unknown)[0]!r} (one of {', '.join(SUITES)})")
     return suites
 
+
 RUNTIME_SECTIONS = ("verify", "context", "batch", "greedy", "ahead")
 
 
