@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from eyas.assets import demo_model
 from eyas.train.corpus import heldout_prompts
 from eyas.engine import Engine
+from eyas.tree import TreePolicy
 
 EYAS_DRAFTERS = ("eagle1", "hass", "eagle3")
 CODE_PROMPTS = [  # short code prompts, as text
@@ -221,6 +222,11 @@ def write_charts(result: dict, out_dir: Path) -> list[Path]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return written + [path]
+
+
+def tree_record(policy: TreePolicy | str) -> dict | str:
+    """A service's tree as a record names it: "auto", or the fixed policy's knobs."""
+    return policy if policy == "auto" else asdict(policy)
 
 
 def write_json(record: dict, path: str | Path | None) -> None:

@@ -33,7 +33,7 @@ from eyas.cluster.service import Service
 from eyas.engine import Engine
 from eyas.tree import TreePolicy
 
-from .harness import prompts_for
+from .harness import prompts_for, tree_record
 from .peers import free_port
 from .service import cpu_seconds, service_pids
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
             "platform": platform.platform(), "cpus": os.cpu_count(), "processor": cpu_model(),
             "load_average_before_and_after": [load_before, os.getloadavg()],  # other work on the machine: the noise
         },
-        "models": {"target": target, "drafter": drafter, "tree": config.tree if config.tree == "auto" else vars(config.tree)},
+        "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
         "emulation": args.emulate,  # a profile name: every figure is then emulation
         "requests": n,
         "prompt_tokens": args.prompt_tokens,

@@ -31,7 +31,7 @@ from eyas.emulation import load_profile
 from eyas.engine import Engine
 from eyas.tree import TreePolicy
 
-from .harness import prompts_for
+from .harness import prompts_for, tree_record
 from .peers import VllmRunner, choose_vllm_k, export_eagle1_for_vllm
 
 ENGINE_PHASES = ("draft", "tree", "verify", "publish")
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> dict:
         return {
             "emulation": profile.summary() if profile is not None else None,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "models": {"target": target, "drafter": drafter, "tree": config.policy if config.policy == "auto" else vars(config.policy)},
+            "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
             "requests": args.requests,
             "max_new_tokens": args.max_new_tokens,
             "ahead_sweep": ahead_sweep(config, make_engine, prompts, args),
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict:
         return {
             "emulation": profile.summary() if profile is not None else None,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "models": {"target": target, "drafter": drafter, "tree": config.policy if config.policy == "auto" else vars(config.policy)},
+            "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
             "requests": args.requests,
             "max_new_tokens": args.max_new_tokens,
             "scaling": scaling(config, prompts, args),
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> dict:
     record = {
         "emulation": profile.summary() if profile is not None else None,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
-        "models": {"target": target, "drafter": drafter, "tree": config.policy if config.policy == "auto" else vars(config.policy)},
+        "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
         "trees_chosen": {  # under auto: the service's choice per concurrency, and the in-process engine's for one request
             "service": service_tree,
             "in_process": vars(engine.tuner.current) if config.policy == "auto" else None,
