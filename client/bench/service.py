@@ -307,24 +307,16 @@ def run(args: argparse.Namespace) -> dict:
     engine = make_engine(args.draft_ahead)
     ahead_off = make_engine(0) if args.draft_ahead else None
     prompts = prompts_for(engine, args.requests, args.prompt_tokens, args.seed, args.prompts_from)
+    head = {
+        "emulation": profile.summary() if profile is not None else None,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
+    }
     if args.ahead_sweep:  # the hit rate against the number of trees drafted ahead only
-        return {
-            "emulation": profile.summary() if profile is not None else None,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
-            "requests": args.requests,
-            "max_new_tokens": args.max_new_tokens,
-            "ahead_sweep": ahead_sweep(config, make_engine, prompts, args),
-        }
+        sweep = ahead_sweep(config, make_engine, prompts, args)
+        return {**head, "requests": args.requests, "max_new_tokens": args.max_new_tokens, "ahead_sweep": sweep}
     if args.pools:  # throughput against pool sizes only, at a fixed offered load
-        return {
-            "emulation": profile.summary() if profile is not None else None,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
-            "requests": args.requests,
-            "max_new_tokens": args.max_new_tokens,
-            "scaling": scaling(config, prompts, args),
-        }
+        return {**head, "requests": args.requests, "max_new_tokens": args.max_new_tokens, "scaling": scaling(config, prompts, args)}
     workers = args.draft_workers + args.target_workers
     config = replace(
         config,
@@ -354,9 +346,8 @@ def run(args: argparse.Namespace) -> dict:
     local_ms, service_ms = median(sequential, "in_process_ms_per_round"), median(sequential, "service_ms_per_round")
     one, many = median(sequential, "service_tokens_per_s"), median(parallel, "tokens_per_s")
     record = {
-        "emulation": profile.summary() if profile is not None else None,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads_per_process": 1},
-        "models": {"target": target, "drafter": drafter, "tree": tree_record(config.policy)},
+        **head,
+        "torch_threads_per_process": 1,
         "trees_chosen": {  # under auto: the service's choice per concurrency, and the in-process engine's for one request
             "service": service_tree,
             "in_process": vars(engine.tuner.current) if config.policy == "auto" else None,
