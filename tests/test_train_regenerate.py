@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import eyas.train.regenerate as regenerate
 from eyas.client.cli import main
-from eyas.train.recipe import Recipe, RecipeError
+from eyas.train.recipe import Recipe, RecipeError, Regeneration
 from eyas.train.trainer import Trainer
 
 SETTINGS = {"prompt_tokens": 4, "temperatures": [0.0, 1.0], "windows": 4, "batch": 2}
@@ -66,6 +66,32 @@ def test_regenerated_windows_are_cached_and_keyed_by_the_target(world, tmp_path,
     Trainer(recipe(world, target=str(other), regenerate_cache=str(tmp_path)))
     assert len([p for p in tmp_path.iterdir() if p.name not in ("other-target", "c")]) == 2  # a new key, the old kept
     assert entry.exists()
+
+
+def test_an_interrupted_regeneration_resumes_from_the_batches_it_finished(world, tmp_path, monkeypatch):
+    _, target = world
+    data = regenerate.spread(Trainer(recipe(world, regenerate=False)).train_data, SETTINGS["windows"])
+    settings = Regeneration(**SETTINGS)
+    fresh = regenerate.generate_windows(target, data, settings, progress=False)
+    calls = []
+    real = regenerate.Engine.generate_batch
+
+    def once(self, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stopped during the second batch
+        return real(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(regenerate.Engine, "generate_batch", once)
+        with pytest.raises(KeyboardInterrupt):
+            regenerate.generate_windows(target, data, settings, progress=False, parts=tmp_path)
+        assert [p.name for p in tmp_path.iterdir()] == ["batch-00000.json"]
+        calls.clear()
+        resumed = regenerate.generate_windows(target, data, settings, progress=False, parts=tmp_path)
+    assert len(calls) == 1  # only the batch that was not finished
+    for field in regenerate.FIELDS:
+        assert torch.equal(getattr(resumed, field), getattr(fresh, field))
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,15 @@ A window (evenly spread over the data when `windows` caps their number) keeps th
 `prompt_tokens` tokens of its first segment as an unsupervised prompt; the target continues it to
 the window's length with batched plain decoding, greedy or sampled (window i at
 temperatures[i % len(temperatures)], seed i), and the continuation is supervised. The result is
-cached under a digest of the target's fingerprint, the source windows and the settings.
+cached under a digest of the target's fingerprint, the source windows and the settings, batch by batch as they
+end, so that an interrupted regeneration resumes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,28 +60,40 @@ def plain_engine(target_dir: str | Path, slots: int, seq_len: int) -> Engine:
     return Engine(target, unused, Manifest(target.fingerprint, address, DRAFTER_ABI["eagle1"]), tree=None)
 
 
-def generate_windows(target_dir: str | Path, data: Packed, settings: Regeneration, progress: bool = True) -> Packed:
-    """[N, S] windows: each prompt (unsupervised) and the target's continuation to S tokens (supervised)."""
+def generate_windows(target_dir: str | Path, data: Packed, settings: Regeneration, progress: bool = True,
+                     parts: Path | None = None) -> Packed:
+    """[N, S] windows: each prompt (unsupervised) and the target's continuation to S tokens (supervised). With
+    `parts`, each batch's rows are kept there as it ends, and a rerun generates only the batches not kept."""
     data = spread(data, settings.windows)
     n, seq_len = data.tokens.shape
-    engine = plain_engine(target_dir, settings.batch, seq_len)
     heads = prompts(data, settings.prompt_tokens)
-    tokens = torch.zeros(n, seq_len, dtype=torch.long)
-    valid = torch.zeros(n, seq_len, dtype=torch.bool)
-    supervise = torch.zeros(n, seq_len, dtype=torch.bool)
     temps = settings.temperatures
     groups = [[i for i in range(n) if i % len(temps) == k] for k in range(len(temps))]  # one temperature per batch
     step = settings.batch
     batches = [(temps[k], g[i : i + step]) for k, g in enumerate(groups) for i in range(0, len(g), step)]
-    for temperature, chunk in tqdm(batches, desc="regenerating windows", unit="batch", disable=not progress):
+    rows: dict[int, list[int]] = {}
+    engine = None
+    for b, (temperature, chunk) in enumerate(tqdm(batches, desc="regenerating windows", unit="batch", disable=not progress)):
+        part = parts / f"batch-{b:05d}.json" if parts is not None else None
+        if part is not None and part.exists():
+            rows.update((int(i), row) for i, row in json.loads(part.read_text()).items())
+            continue
+        engine = engine or plain_engine(target_dir, settings.batch, seq_len)
         lengths = [seq_len - len(heads[i]) for i in chunk]
         made = engine.generate_batch([heads[i] for i in chunk], lengths, temperature=float(temperature), seed=list(chunk),
                                      stop_at_eos=True, speculate=False)
-        for i, gen in zip(chunk, made):
-            row = heads[i] + list(gen.token_ids)
-            tokens[i, : len(row)] = torch.tensor(row)
-            valid[i, : len(row)] = True
-            supervise[i, len(heads[i]) : len(row)] = True
+        done = {i: heads[i] + list(gen.token_ids) for i, gen in zip(chunk, made)}
+        if part is not None:  # written whole or not at all
+            part.with_suffix(".tmp").write_text(json.dumps(done))
+            part.with_suffix(".tmp").replace(part)
+        rows.update(done)
+    tokens = torch.zeros(n, seq_len, dtype=torch.long)
+    valid = torch.zeros(n, seq_len, dtype=torch.bool)
+    supervise = torch.zeros(n, seq_len, dtype=torch.bool)
+    for i, row in rows.items():
+        tokens[i, : len(row)] = torch.tensor(row)
+        valid[i, : len(row)] = True
+        supervise[i, len(heads[i]) : len(row)] = True
     position = torch.arange(seq_len).expand(n, seq_len).clone()
     return Packed(tokens, valid, torch.zeros(n, seq_len, dtype=torch.long), position, supervise)
 
@@ -92,8 +106,9 @@ def regenerated(target_dir: str | Path, target: TargetModel, data: Packed, setti
     if (path / META_FILE).exists() and json.loads((path / META_FILE).read_text()) == key:
         tensors = load_file(str(path / DATA_FILE))
         return Packed(*(tensors[f] for f in FIELDS))
-    windows = generate_windows(target_dir, data, settings, progress)
-    path.mkdir(parents=True, exist_ok=True)
+    (path / "parts").mkdir(parents=True, exist_ok=True)
+    windows = generate_windows(target_dir, data, settings, progress, parts=path / "parts")
     save_file({f: getattr(windows, f).contiguous() for f in FIELDS}, str(path / DATA_FILE))
     (path / META_FILE).write_text(json.dumps(key, indent=2, sort_keys=True))  # written last: a cache is complete
+    shutil.rmtree(path / "parts")
     return windows
