@@ -143,6 +143,14 @@ def suite_list(text: str) -> tuple[str, ...]:
 RUNTIME_SECTIONS = ("verify", "context", "batch", "greedy", "ahead")
 
 
+def script_modes(text: str) -> tuple[str, ...]:
+    """`eager,script` -> ("eager", "script"): eager first, then any of script and compile."""
+    modes = tuple(text.split(","))
+    if modes[0] != "eager" or not set(modes[1:]) <= {"script", "compile"} or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: eager, then any of script and compile, each once")
+    return modes
+
+
 def row_counts(text: str) -> tuple[int, ...]:
     """`1,64` -> (1, 64); each a positive integer."""
     try:
@@ -280,6 +288,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     script.add_argument("--context", type=int, default=100, help="committed tokens the single forwards run on")
     script.add_argument("--prompts", type=int, default=4, help="held-out prompts of the whole requests")
     script.add_argument("--max-new-tokens", type=int, default=48)
+    script.add_argument("--modes", type=script_modes, default=("eager", "script", "compile"),
+                        help="eager and the modes to compare with it, e.g. eager,script (compile warms up for minutes)")
     script.add_argument("--turns", type=int, default=6, help="turns of every mode in a rotating order")
     script.add_argument("--repeats", type=int, default=20, help="timed calls per forward and turn")
     script.add_argument("--threads", type=int, default=1, help="torch threads (default 1, for stable timings)")

@@ -31,7 +31,6 @@ from eyas.target import TargetSession
 from .harness import demo_suite
 from .runtime import chain_call, heldout_ids
 
-MODES = ("eager", "script", "compile")
 # (module, name) of every function a forward runs as one unit, and whether a forward enters it from Python
 FUNCTIONS = (
     (linear_module, "linear", True),
@@ -139,15 +138,16 @@ def run(args) -> dict:
     jobs = workloads(engines, context, suite.prompts, args.max_new_tokens)
     modes = Modes()
     warmup = {}
-    for mode in MODES:  # builds each mode and runs every shape once (compiling where the mode compiles)
+    order = args.modes
+    for mode in order:  # builds each mode and runs every shape once (compiling where the mode compiles)
         start = time.perf_counter()
         with modes.use(mode):
             for job in jobs.values():
                 job()
         warmup[mode] = time.perf_counter() - start
-    times: dict[str, dict[str, list[tuple[float, float]]]] = {name: {mode: [] for mode in MODES} for name in jobs}
+    times: dict[str, dict[str, list[tuple[float, float]]]] = {name: {mode: [] for mode in order} for name in jobs}
     for turn in range(args.turns):
-        for mode in MODES[turn % len(MODES):] + MODES[: turn % len(MODES)]:
+        for mode in order[turn % len(order):] + order[: turn % len(order)]:
             with modes.use(mode):
                 for name, job in jobs.items():
                     times[name][mode].append(timed(job, 1 if name.startswith("requests") else args.repeats))
@@ -156,7 +156,7 @@ def run(args) -> dict:
         entry = {}
         for mode, pairs in by_mode.items():
             entry[mode] = {"wall_ms": statistics.median(w for w, _ in pairs), "cpu_ms": statistics.median(c for _, c in pairs)}
-        for mode in MODES[1:]:
+        for mode in order[1:]:
             turns = zip(by_mode[mode], by_mode["eager"])
             ratios = [(w / ew, c / ec) for (w, c), (ew, ec) in turns]
             entry[f"{mode}_over_eager"] = {"wall": statistics.median(r[0] for r in ratios), "cpu": statistics.median(r[1] for r in ratios)}
@@ -164,7 +164,7 @@ def run(args) -> dict:
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch_threads": torch.get_num_threads()},
         "config": {"drafter": args.drafter, "tree": tree, "context": len(context), "prompts": len(suite.prompts),
-                   "max_new_tokens": args.max_new_tokens, "turns": args.turns, "repeats": args.repeats},
+                   "max_new_tokens": args.max_new_tokens, "turns": args.turns, "repeats": args.repeats, "modes": order},
         "warmup_s": warmup,
         "results": results,
     }
