@@ -492,12 +492,14 @@ def test_requests_stepping_together_learn_what_a_drafting_level_costs_them(engin
     Draft calls spent time off the worker, which is the round's, not its levels':
     after LOCKSTEP_ROUNDS of them the tuner charges each level that extra at 8 and drafts shallower there;
     a lone request's choice does not move."""
-    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=4)
+    def given() -> Costs:
+        return Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001])
+
+    tuner = TreeTuner(given(), explore_rounds=4)
     second_choice = OracleDrafter(engine.drafter.config, engine.drafter.reference, rank=lambda p: 1)  # deep trees pay
     rounds = []
     generate_auto(engine, tuner, second_choice, max_new_tokens=30, on_round=rounds.append)
-    # this machine's bookkeeping out of the way: the costs alone decide
-    tuner.costs.overhead_per_depth = tuner.costs.overhead_per_round = tuner.costs.overhead_per_row = 0.0
+    tuner.costs = given()  # this machine's forwards and bookkeeping out of the way: the given costs alone decide
     tuner.choices.clear()
     alone, deep = tuner.choice(1).policy, tuner.choice(8).policy
     assert deep.depth > 1 and tuner.choice(4).policy == deep  # nothing measured together yet
