@@ -23,6 +23,8 @@ from eyas.client.client import Client
 from eyas.cluster.pools import Pool
 from eyas.cluster.service import Service
 
+pytestmark = pytest.mark.slow  # a placement group of gloo ranks per service: about 40 s in all
+
 PROMPTS = [[5, 17, 33, 8, 9], [7, 7, 7], [11, 22, 33, 44, 55, 66, 77], [60, 1, 60, 1]]
 LENGTH = 96  # long enough that every request is still running when a rank dies
 POOLS = {"draft": {"replicas": 1}, "target": {"replicas": 1, "tensor_parallel": 2}}

@@ -107,6 +107,7 @@ def test_outsiders_cannot_touch_a_workers_requests_and_a_live_request_is_unchang
     assert errors == [None] and outputs == svc["expected"][:1]
 
 
+@pytest.mark.slow  # a worker killed and its requests moved: about 17 s
 def test_killing_a_target_worker_under_four_requests_fails_none_when_another_serves(svc):
     client = svc["client"]
     for repeat in range(5):
