@@ -75,8 +75,9 @@ def generate_windows(target_dir: str | Path, data: Packed, settings: Regeneratio
     engine = None
     for b, (temperature, chunk) in enumerate(tqdm(batches, desc="regenerating windows", unit="batch", disable=not progress)):
         part = parts / f"batch-{b:05d}.json" if parts is not None else None
-        if part is not None and part.exists():
-            rows.update((int(i), row) for i, row in json.loads(part.read_text()).items())
+        kept = {int(i): row for i, row in json.loads(part.read_text()).items()} if part is not None and part.exists() else {}
+        if sorted(kept) == chunk:  # kept by a run with the same batch size
+            rows.update(kept)
             continue
         engine = engine or plain_engine(target_dir, settings.batch, seq_len)
         lengths = [seq_len - len(heads[i]) for i in chunk]
