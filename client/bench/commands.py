@@ -14,6 +14,7 @@ from ..loading import quiet_loading
 REPORTED = ("eagle1", "hass", "eagle3")  # `eyas bench tree`'s demo drafters
 PICKED = (*REPORTED, "moe-eagle3")  # and `--pick`'s: every bundled drafter
 SUITES = ("stdlib", "library")  # held-out standard-library functions; windows of installed libraries' source
+RUNTIME_SECTIONS = ("verify", "context", "batch", "greedy", "ahead")  # what `eyas bench runtime` can measure
 
 
 def temperature_list(text: str) -> tuple[float, ...]:
@@ -138,9 +139,6 @@ def suite_list(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown suite {sorted(unknown)[0]!r} (one of {', '.join(SUITES)})")
     return suites
-
-
-RUNTIME_SECTIONS = ("verify", "context", "batch", "greedy", "ahead")
 
 
 def script_modes(text: str) -> tuple[str, ...]:
