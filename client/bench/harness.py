@@ -67,16 +67,28 @@ def prompts_for(engine: Engine, count: int, length: int, seed: int, source: str 
     return [[rng.randrange(3, engine.target.vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+def _cpuinfo() -> str:
+    return Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else what the platform says."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
 def machine(engine: Engine) -> dict:
     """Where a run was timed: the processor (or GPU), its flags that move the choice of dtype, and the torch threads."""
     device = engine.target.runtime.device
     if device.type == "cuda":
         return {"device": torch.cuda.get_device_name(device), "platform": platform.platform()}
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    info = _cpuinfo()
     fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
     flags = set(fields.get("flags", "").split())
     return {
-        "device": fields.get("model name") or platform.processor(),
+        "device": cpu_model(),
         "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
         "cores": len([line for line in info.splitlines() if line.startswith("processor")]),
         "threads": torch.get_num_threads(),

@@ -33,7 +33,7 @@ from eyas.cluster.service import Service
 from eyas.engine import Engine
 from eyas.tree import TreePolicy
 
-from .harness import prompts_for, tree_record
+from .harness import cpu_model, prompts_for, tree_record
 from .peers import free_port
 from .service import cpu_seconds, service_pids
 
@@ -79,14 +79,6 @@ class HttpRequests:
             if line.startswith(b"data: {"):
                 tokens += json.loads(line[6:])["choices"][0]["token_ids"]
         return tokens
-
-
-def cpu_model() -> str:
-    """The processor's model name (Linux /proc/cpuinfo), else what the platform says."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def machine_cpu_seconds() -> float:
