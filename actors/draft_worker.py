@@ -98,6 +98,8 @@ class DraftWorker(Worker):
         else:
             self._load_drafter()
         self.model = DraftModel(self.drafter, spec.kv_slots, self.max_positions, spec.draft_ahead, self._draft_ahead)
+        if spec.draft_ahead:  # how many trees drafting ahead grows together first follows this device's step costs
+            self.model.ahead_curve = self.measure()
 
     def _load_drafter(self) -> None:
         """The drafter checkpoint, bound to the target's embedding and LM head (only those of the target are read)."""

@@ -101,3 +101,21 @@ def likeliest_outcomes(
         rest = max(REST_FLOOR, 1.0 - sum(tree.confidences[c] for c in children[n]))
         outcomes += [(reach[n] * rejected * q / rest, n, b) for b, q in tokens if b not in verified]
     return sorted(outcomes, key=lambda o: -o[0])[:count]
+
+
+GROWN_TOGETHER_SLACK = 1.25  # a merged level of the first trees may cost this much more than one tree's level
+
+
+def grown_together(rows: list[int], seconds: list[float], width: int, trees: int) -> int:
+    """How many of the likeliest trees drafting ahead grows together first: the most (up to `trees`) whose merged
+    level of `width` rows each costs at most GROWN_TOGETHER_SLACK x one tree's level on the drafter's measured curve
+    (`seconds` of a step of `rows` rows; linear between points, beyond the last along its last segment)."""
+
+    def cost(n: int) -> float:
+        i = next((i for i, r in enumerate(rows) if r >= n), len(rows) - 1)
+        i = max(i, 1)
+        r0, r1, s0, s1 = rows[i - 1], rows[i], seconds[i - 1], seconds[i]
+        return s0 + (s1 - s0) * (n - r0) / (r1 - r0)
+
+    one = cost(width)
+    return max([1] + [n for n in range(2, trees + 1) if cost(n * width) <= GROWN_TOGETHER_SLACK * one])

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +19,7 @@ from .drafters.eagle1 import Eagle1Drafter, Eagle1Layer
 from .drafters.eagle3 import Eagle3Drafter, Eagle3Layer, draft_to_target_ids
 from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, rotary_tables
 from .errors import VersionError
-from .outcomes import Calibration, likeliest_outcomes, observed_acceptance
+from .outcomes import Calibration, grown_together, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
 from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
@@ -185,6 +186,7 @@ class DraftModel:
         self.served = ServedStep(drafter, slot_len)
         self.drafter = drafter
         self.ahead_trees = ahead_trees
+        self.ahead_curve: tuple[list[int], list[float]] | None = None  # the drafter's step seconds by rows, once measured
         # how often the target accepts this drafter's nodes, by drafter probability (about the last 200 rounds)
         self.calibration = Calibration(decay=0.995)
         self._background = None if ahead_runner else ThreadPoolExecutor(1, thread_name_prefix="eyas-ahead")
@@ -339,7 +341,7 @@ class DraftSession:
         self.written = self.committed
         if not tokens:
             return
-        features = features.to(self.drafter.dtype)  # [m, F], seeded by the drafter's next pass
+        # [m, F] in the dtype they came in (the drafter casts them as it reads them), seeded by its next pass
         self.pending_features = features if self.pending_features is None else torch.cat([self.pending_features, features])
         self.pending_tokens += [int(t) for t in tokens]
 
@@ -510,9 +512,11 @@ class DraftSession:
                 )
                 for i, (_, n, b) in enumerate(outcomes)
             ]
-            # the likeliest tree grows first, alone, so that it is done when a decision arrives mid-way (trees grown
-            # together finish together, unless the decision stops the others); then the others, together
-            for first, last in ((0, 1), (1, len(outcomes))):
+            # the likeliest trees grow first, as many as a drafter step takes for about the cost of one tree's (one
+            # alone unless the drafter's measured curve says so), so that they are done when a decision arrives
+            # mid-way (trees grown together finish together, unless the decision stops the others); then the others
+            together = grown_together(*self.model.ahead_curve, policy.width, len(outcomes)) if self.model.ahead_curve else 1
+            for first, last in ((0, together), (together, len(outcomes))):
                 built_trees = yield from self._grow_together(growths[first:last])
                 for path, (_, _, b), built in zip(paths[first:last], outcomes[first:last], built_trees):
                     if built is not None:  # None: stopped, another outcome was decided
@@ -583,11 +587,13 @@ class DraftSession:
         """Run the drafter on new rows after `written` (hidden [Q, d]): row i sees the committed rows, the draft rows
         `ancestors[i]` and itself."""
         base = self.written
-        visible = torch.zeros(len(tokens), base + len(tokens), dtype=torch.bool)
+        visible = np.zeros((len(tokens), base + len(tokens)), dtype=bool)  # built in numpy: a tensor's indexing costs more here
         visible[:, : self.committed] = True
-        seen = [(i, row) for i, rows in enumerate(ancestors) for row in (*rows, base + i)]  # each row's path, itself last
-        visible[tuple(torch.tensor(seen).t())] = True
-        return (yield from self._run(RowsCall(self.slot, base, torch.tensor(tokens), torch.tensor(positions), visible, hidden, top_k)))
+        owners = np.repeat(np.arange(len(tokens)), [len(rows) + 1 for rows in ancestors])
+        paths = np.fromiter((row for i, rows in enumerate(ancestors) for row in (*rows, base + i)), dtype=np.int64)  # each row's path, itself last
+        visible[owners, paths] = True
+        call = RowsCall(self.slot, base, torch.tensor(tokens), torch.tensor(positions), torch.from_numpy(visible), hidden, top_k)
+        return (yield from self._run(call))
 
     def _run(self, call: RowsCall) -> Steps[DraftRows]:
         """Write `call`'s rows into this session's slot and return their drafter outputs."""

@@ -200,9 +200,10 @@ def array_from_proto(msg: tpb.Tensor, field: str, dtypes: tuple[str, ...], ndim:
         raise WireError(f"{field}.shape", f"{list(shape)} is not a valid rank-{ndim} shape")
     little = np.dtype(WIRE_ARRAY_TYPES[msg.dtype])
     expected = math.prod(shape) * little.itemsize
-    if len(msg.data) != expected:
-        raise WireError(f"{field}.data", f"{len(msg.data)} bytes for shape {list(shape)} of {msg.dtype} ({expected} expected)")
-    array = np.frombuffer(msg.data, dtype=little).astype(little.newbyteorder("="))
+    data = msg.data  # each read of a bytes field copies it
+    if len(data) != expected:
+        raise WireError(f"{field}.data", f"{len(data)} bytes for shape {list(shape)} of {msg.dtype} ({expected} expected)")
+    array = np.frombuffer(data, dtype=little).astype(little.newbyteorder("="))  # a writable copy in native order
     if msg.dtype == "bool" and array.size and array.max() > 1:
         raise WireError(f"{field}.data", "bool tensors hold only the bytes 0 and 1")
     if msg.dtype in ("bool", "float32", "float64"):

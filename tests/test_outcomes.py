@@ -2,7 +2,7 @@
 
 import pytest
 
-from eyas.outcomes import Calibration, likeliest_outcomes, observed_acceptance
+from eyas.outcomes import GROWN_TOGETHER_SLACK, Calibration, grown_together, likeliest_outcomes, observed_acceptance
 from eyas.tree import DraftTree
 
 
@@ -71,3 +71,19 @@ def test_later_rounds_weigh_more():
     after = calibration.rates()[Calibration.bin(0.75)]
     assert after < before
     assert after == pytest.approx((0.5 + Calibration.PRIOR * 0.75) / (1.5 + Calibration.PRIOR))
+
+
+ROWS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_trees_grow_together_first_as_far_as_a_step_costs_about_one_trees():
+    flat = [1e-3] * len(ROWS)  # a device below its knee: a step of 64 rows costs what one of 8 does
+    assert grown_together(ROWS, flat, width=8, trees=8) == 8
+    assert grown_together(ROWS, flat, width=8, trees=16) == 16  # past the curve: along its last (flat) segment
+    linear = [r * 1e-4 for r in ROWS]  # every row pays: the likeliest tree grows alone
+    assert grown_together(ROWS, linear, width=8, trees=8) == 1
+    knee = [1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 2e-3, 4e-3]  # flat to 16 rows, then linear
+    assert grown_together(ROWS, knee, width=8, trees=8) == 2
+    slack = [1e-3, 1e-3, 1e-3, 1e-3, GROWN_TOGETHER_SLACK * 1e-3, 2e-3, 4e-3]
+    assert grown_together(ROWS, slack, width=8, trees=8) == 2  # at the slack exactly: still together
+    assert grown_together(ROWS, flat, width=8, trees=1) == 1

@@ -75,7 +75,7 @@ class Drafter(nn.Module):
         return self.fc.weight.device
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
-        """[..., F] target features at the declared address -> [..., d] drafter input state."""
+        """[..., F] target features at the declared address, in the dtype they came in -> [..., d] drafter input state."""
         raise NotImplementedError
 
     def step(

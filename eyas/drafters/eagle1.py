@@ -42,7 +42,7 @@ class Eagle1Drafter(Drafter):
         return self.layers[0].self_attn
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
-        return target_features
+        return target_features.to(self.dtype)
 
     def step(self, hidden, tokens, positions, kv, mask):
         fused = self.fc(torch.cat([self.embed(tokens), hidden], dim=-1))  # [B, Q, 2d] -> [B, Q, d]

@@ -69,7 +69,7 @@ class Eagle3Drafter(Drafter):
         return self.midlayer.self_attn
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
-        return self.fc(target_features)  # [..., 3 d_target] -> [..., d]
+        return self.fc(target_features.to(self.dtype))  # [..., 3 d_target] -> [..., d]
 
     def step(self, hidden, tokens, positions, kv, mask):
         rope = self.rotary(positions, hidden.dtype)
