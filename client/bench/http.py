@@ -2,8 +2,10 @@
 
 One local service, the same greedy requests (fixed length: EOS ignored) through gRPC (the Python client),
 HTTP returning one JSON body, and HTTP streaming server-sent events: one request at a time, N at once, and
-one-token requests one at a time (what a request costs beside its rounds). Each repeat runs the three in
-turn, the order rotating from repeat to repeat, so machine drift lands on all alike. The HTTP client is the
+one-token requests one at a time (what a request costs beside its rounds). One at a time, each prompt goes
+through the three in turn, the order rotating from prompt to prompt, so that the requests compared ran moments
+apart; N at once, each repeat runs the three in turn, the order rotating from repeat to repeat, so machine drift
+lands on all alike. The HTTP client is the
 standard library's (keep-alive, one connection per thread), so the numbers are the endpoint's cost rather
 than a client library's. Per request: latency, and the CPU time of the service's processes, of this
 process (the clients) and of every other process on the machine (on a shared machine, what the workers
@@ -108,6 +110,33 @@ def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], po
     }
 
 
+def measure_interleaved(sends: dict[str, Callable[[list[int]], list[int]]], prompts: list[list[int]], pids: list[int], turn: int) -> dict[str, dict]:
+    """Each prompt through every system in turn, one request at a time, the order rotating from prompt to prompt
+    (starting at `turn`): the same records as `measure`, one per system, each request's pair taken moments apart."""
+    names = list(sends)
+    runs = {name: {"outputs": [], "latency_s": [], "cpu": 0.0, "client_cpu": 0.0, "machine": 0.0} for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in names[(turn + i) % len(names) :] + names[: (turn + i) % len(names)]:
+            run, cpu, client_cpu, machine = runs[name], cpu_seconds(pids), time.process_time(), machine_cpu_seconds()
+            t0 = time.perf_counter()
+            run["outputs"].append(sends[name](prompt))
+            run["latency_s"].append(time.perf_counter() - t0)
+            run["cpu"] += cpu_seconds(pids) - cpu
+            run["client_cpu"] += time.process_time() - client_cpu
+            run["machine"] += machine_cpu_seconds() - machine
+    return {
+        name: {
+            "outputs": run["outputs"],
+            "latency_s": run["latency_s"],
+            "tokens_per_s": sum(map(len, run["outputs"])) / sum(run["latency_s"]),
+            "cpu_ms_per_request": 1e3 * run["cpu"] / len(prompts),
+            "client_cpu_ms_per_request": 1e3 * run["client_cpu"] / len(prompts),
+            "machine_cpu_ms_per_request": 1e3 * run["machine"] / len(prompts),
+        }
+        for name, run in runs.items()
+    }
+
+
 def others_cpu(run: dict) -> float:
     """CPU ms per request that every process but the service and this one took during a run."""
     return run["machine_cpu_ms_per_request"] - run["cpu_ms_per_request"] - run["client_cpu_ms_per_request"]
@@ -184,10 +213,14 @@ def run(args: argparse.Namespace) -> dict:
             print(f"eyas bench: {'warm-up' if not repeat else f'repeat {repeat}/{args.repeats}'}", file=sys.stderr, flush=True)
             order = SYSTEMS[repeat % len(SYSTEMS) :] + SYSTEMS[: repeat % len(SYSTEMS)]
             for name, requests, at_once, tokens in levels:
-                for system in order:
-                    result = measure(partial(send[system], tokens=tokens), requests, pools[at_once], pids)
-                    if repeat:
-                        runs[name][system].append(result)
+                if at_once == 1:  # request by request: each system's request beside the others' on the same prompt
+                    sends = {system: partial(send[system], tokens=tokens) for system in SYSTEMS}
+                    results = pools[1].submit(measure_interleaved, sends, requests, pids, repeat).result()
+                else:
+                    results = {system: measure(partial(send[system], tokens=tokens), requests, pools[at_once], pids) for system in order}
+                if repeat:
+                    for system in SYSTEMS:
+                        runs[name][system].append(results[system])
     for pool in pools.values():
         pool.shutdown()
     record = {
