@@ -58,6 +58,7 @@ class Drafted:
     tree: FlattenedTree
     verify_request: bytes
     proposal: pb.Proposal
+    with_features: bool  # the reply's verification keeps its accepted rows' features
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ class DraftWorker(Worker):
         verify = pb.VerifyRequest(
             ref=ask.ref, tree=wire.proposed_tree_to_proto(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
         )
-        drafted = Drafted(ask.ref, msg.target, proposal.tree, verify.SerializeToString(), wire.proposal_to_proto(proposal, ask.ref, ask.with_records))
+        proposed = wire.proposal_to_proto(proposal, ask.ref, ask.with_records)
+        drafted = Drafted(ask.ref, msg.target, proposal.tree, verify.SerializeToString(), proposed, msg.with_features)
         clock.lap("encode")
         return drafted
 
@@ -284,7 +286,8 @@ class DraftWorker(Worker):
                 continue
             drafted: Drafted = call.reply
             try:
-                relayed = self.relayed[drafted.ref.request_id] = self._receive(drafted, result.reply)
+                relayed, answer = self._receive(drafted, result.reply)
+                self.relayed[drafted.ref.request_id] = relayed
             except (DecodeError, wire.WireError, TreeError) as exc:
                 field = getattr(exc, "field", "message")
                 call.fail(ServiceError(grpc.StatusCode.INTERNAL, f"target.{field}", f"the target's verification fails its receipt check: {exc}"))
@@ -294,12 +297,14 @@ class DraftWorker(Worker):
                 session.decide_ahead(relayed.tokens[:-1], relayed.tokens[-1])
             call.clock.lap("decode")
             call.reply = pb.RoundReply(
-                ref=drafted.ref, proposal=drafted.proposal, verify_request=drafted.verify_request, verification=result.reply,
+                ref=drafted.ref, proposal=drafted.proposal, verify_request=drafted.verify_request, verification=answer,
                 target_seconds=result.seconds, target_forwards=result.forwards,
             )
 
-    def _receive(self, drafted: Drafted, data: bytes) -> Relayed:
-        """A target's verification of `drafted`, checked against its tree: what the coordinator's word may publish."""
+    def _receive(self, drafted: Drafted, data: bytes) -> tuple[Relayed, bytes]:
+        """A target's verification of `drafted`, checked against its tree: what the coordinator's word may publish, and
+        the verification to answer with (its accepted rows' features left out unless asked for: only this worker
+        reads them, and they are most of its bytes)."""
         msg = pb.Verification.FromString(data)
         if msg.ref != drafted.ref or msg.decision.ref != drafted.ref:
             raise wire.WireError("ref", "the verification names another request or version than the tree")
@@ -307,7 +312,11 @@ class DraftWorker(Worker):
         wire.validate_verification(verification, drafted.tree, self.vocab_size)
         decision = verification.decision
         tokens = (*decision.accepted_tokens, decision.frontier_token)
-        return Relayed(msg.round_id, drafted.ref.version, tuple(decision.accepted_rows), tokens, verification.features)
+        relayed = Relayed(msg.round_id, drafted.ref.version, tuple(decision.accepted_rows), tokens, verification.features)
+        if drafted.with_features:
+            return relayed, data
+        msg.decision.ClearField("accepted_features")
+        return relayed, msg.SerializeToString()
 
     def _target(self, address: str, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
         """`method` of the target worker at `address`, over a channel kept for it."""

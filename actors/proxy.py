@@ -355,12 +355,15 @@ class RemoteRequest:
         vocab_size: int,
         feature_width: int,
         sampling: SamplingParams,
+        with_features: bool = False,
     ):
+        """`with_features`: each round's verification comes back with its accepted rows' features (for a trace)."""
         self.draft, self.target = draft, target
         self.request_id, self.manifest_id = request_id, manifest_id
         self.timing = timing
         self.vocab_size, self.feature_width = vocab_size, feature_width
         self.params, self.sampling = sampling, wire.sampling_to_proto(sampling)
+        self.with_features = with_features
         self._prefilled: list[int] = []  # the tokens the target prefills at the start
         self._accepted_rows: tuple[int, ...] = ()  # the target's side of the publish, until the draft's completes it
         self._publish: pb.Publish | None = None  # the word the next Round carries
@@ -412,7 +415,9 @@ class RemoteRequest:
             ask = pb.DraftRequest(
                 ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
             )
-            return pb.RoundRequest(draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address)
+            return pb.RoundRequest(
+                draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address, with_features=self.with_features
+            )
 
         def parse(reply: pb.RoundReply) -> Proposal:
             self.check_ref(reply.ref, version)
@@ -431,7 +436,7 @@ class RemoteRequest:
             self.check_ref(answer.decision.ref, version, "verification.decision.ref")
             if answer.round_id != round_id:
                 raise wire.WireError("verification.round_id", "the verification names another round than the call")
-            verification = wire.verification_from_proto(answer, self.feature_width)
+            verification = wire.verification_from_proto(answer, self.feature_width, self.with_features)
             wire.validate_verification(verification, tree, self.vocab_size)
             self.timing.charge_target(check_phases(reply.target_seconds, "target_seconds"))
             self.target_forwards = check_forwards(reply.target_forwards, "target_forwards")

@@ -43,7 +43,7 @@ class Verification:
     """What one tree verification yields: the decision, the accepted rows' target features, and costs."""
 
     decision: AcceptanceDecision
-    features: torch.Tensor  # [len(accepted_rows), F], in accepted-row order
+    features: torch.Tensor  # [len(accepted_rows), F], in accepted-row order; F = 0 where they stayed with a draft worker
     experts: frozenset[tuple[int, int]]
     branch_kv_bytes: int
     row_probs: torch.Tensor | None = None  # [N] conditional acceptance probability of every row (verify.decide)

@@ -233,10 +233,17 @@ def verification_to_proto(verification: Verification, request: tpb.RequestRef) -
     )
 
 
-def verification_from_proto(msg: pb.Verification, feature_width: int) -> Verification:
+def verification_from_proto(msg: pb.Verification, feature_width: int, with_features: bool = True) -> Verification:
+    """Without `with_features` the decision must carry no features (they stayed with the draft worker that relayed
+    it), and the verification's are [rows, 0]."""
     d = msg.decision
     decision = decision_from_proto(d)
-    features = features_from_proto(d.accepted_features, "decision.accepted_features", len(d.accepted_rows), feature_width)
+    if with_features:
+        features = features_from_proto(d.accepted_features, "decision.accepted_features", len(d.accepted_rows), feature_width)
+    elif d.HasField("accepted_features"):
+        raise WireError("decision.accepted_features", "sent though the round did not ask for them")
+    else:
+        features = torch.empty(len(d.accepted_rows), 0)
     experts = frozenset((e.layer, e.expert) for e in msg.experts)
     row_probs = None
     if msg.HasField("row_acceptance"):

@@ -53,13 +53,15 @@ def workers(ray_session, tmp_path_factory):
         ray.kill(actor)
 
 
-def remote_request(workers, request_id: str, draft: WorkerClient | None = None, target: WorkerClient | None = None, request=None):
+def remote_request(
+    workers, request_id: str, draft: WorkerClient | None = None, target: WorkerClient | None = None, request=None, with_features: bool = False
+):
     """The coordinator's proxy of one request on the module's workers (or the given ones)."""
     info = workers["infos"][1]
     request = request or workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id=request_id)
     return RemoteRequest(
         draft or workers["draft"], target or workers["target"], request_id, info.manifest_id, CallTiming(), info.vocab_size,
-        info.feature_width, request.sampling,
+        info.feature_width, request.sampling, with_features,
     )
 
 
@@ -307,6 +309,29 @@ def test_each_round_reports_the_forwards_each_worker_ran(workers):
     [(rows, seconds)] = live.pair.target_forwards
     assert rows == record.tree.num_rows and seconds > 0
     assert live.finish() == expected_output(workers)
+
+
+@pytest.mark.parametrize("with_features", [False, True])
+def test_a_round_relays_the_accepted_features_only_when_asked(workers, with_features):
+    """The accepted rows' features reach the draft worker, which reseeds from them; the coordinator gets them back in
+    the relayed verification only when it asks (a recorded request). Either way the output is the engine's, and a
+    verification carrying features the round did not ask for is refused naming them."""
+    width = workers["infos"][1].feature_width
+    request = workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id=f"features-{with_features}")
+    pair = remote_request(workers, request.request_id, request=request, with_features=with_features)
+    start(request, pair, pair)
+    while not request.done:
+        record = run_round(request, pair, pair, workers["engine"].tree)
+        relayed = pb.Verification.FromString(pair.exchange[1])
+        assert relayed.decision.HasField("accepted_features") == with_features
+        features = wire.verification_from_proto(relayed, width, with_features).features
+        assert tuple(features.shape) == (len(record.decision.accepted_rows), width if with_features else 0)
+    pair.release("draft")
+    pair.release("target")
+    assert request.output == expected_output(workers)
+    if with_features:
+        with pytest.raises(WireError, match="decision.accepted_features"):
+            wire.verification_from_proto(relayed, width, with_features=False)
 
 
 def test_the_proxy_refuses_a_batch_result_with_forwards_that_are_not_forwards():
