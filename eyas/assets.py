@@ -7,7 +7,7 @@ from pathlib import Path
 
 DEMO_ROOT = Path(os.environ.get("EYAS_DEMO_MODELS", Path(__file__).resolve().parents[1] / "models" / "demo"))
 PROFILE_ROOT = Path(__file__).resolve().parents[1] / "configs" / "emulate"  # cost profiles of emulated accelerators
-DEFAULT_DRAFTER = "eagle1"  # the bundled drafter models/demo/REPORT.md measures best
+DEFAULT_DRAFTER = "hass"  # the bundled drafter models/demo/REPORT.md measures best
 
 
 def demo_model(name: str) -> Path:
