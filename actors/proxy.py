@@ -416,7 +416,8 @@ class RemoteRequest:
                 ref=self.ref(version), root_token=root_token, policy=wire.policy_to_proto(policy), with_records=policy in EXPLORATIONS
             )
             return pb.RoundRequest(
-                draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address, with_features=self.with_features
+                draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address,
+                with_features=self.with_features,
             )
 
         def parse(reply: pb.RoundReply) -> Proposal:

@@ -590,7 +590,8 @@ class DraftSession:
         visible = np.zeros((len(tokens), base + len(tokens)), dtype=bool)  # built in numpy: a tensor's indexing costs more here
         visible[:, : self.committed] = True
         owners = np.repeat(np.arange(len(tokens)), [len(rows) + 1 for rows in ancestors])
-        paths = np.fromiter((row for i, rows in enumerate(ancestors) for row in (*rows, base + i)), dtype=np.int64)  # each row's path, itself last
+        # each row's path, itself last
+        paths = np.fromiter((row for i, rows in enumerate(ancestors) for row in (*rows, base + i)), dtype=np.int64)
         visible[owners, paths] = True
         call = RowsCall(self.slot, base, torch.tensor(tokens), torch.tensor(positions), torch.from_numpy(visible), hidden, top_k)
         return (yield from self._run(call))

@@ -110,7 +110,9 @@ def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], po
     }
 
 
-def measure_interleaved(sends: dict[str, Callable[[list[int]], list[int]]], prompts: list[list[int]], pids: list[int], turn: int) -> dict[str, dict]:
+def measure_interleaved(
+    sends: dict[str, Callable[[list[int]], list[int]]], prompts: list[list[int]], pids: list[int], turn: int
+) -> dict[str, dict]:
     """Each prompt through every system in turn, one request at a time, the order rotating from prompt to prompt
     (starting at `turn`): the same records as `measure`, one per system, each request's pair taken moments apart."""
     names = list(sends)
