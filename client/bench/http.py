@@ -89,10 +89,28 @@ def machine_cpu_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_clocks(pids: list[int]) -> tuple[float, float, float]:
+    """CPU seconds so far of the service's processes, of this process (the clients) and of the whole machine."""
+    return cpu_seconds(pids), time.process_time(), machine_cpu_seconds()
+
+
+def run_record(outputs: list[list[int]], latencies: list[float], wall: float, spent: list[float], requests: int) -> dict:
+    """One system's run: outputs, each request's latency, tokens/s over `wall` and the CPU seconds `spent` (as
+    `cpu_clocks` splits them) per request."""
+    service, client, machine = (1e3 * seconds / requests for seconds in spent)
+    return {
+        "outputs": outputs,
+        "latency_s": latencies,
+        "tokens_per_s": sum(map(len, outputs)) / wall,
+        "cpu_ms_per_request": service,
+        "client_cpu_ms_per_request": client,
+        "machine_cpu_ms_per_request": machine,
+    }
+
+
 def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], pool: ThreadPoolExecutor, pids: list[int]) -> dict:
-    """Every prompt through `send` on `pool`'s threads (as many at once): outputs, each request's latency, tokens/s,
-    and the CPU time of the service's processes per request."""
-    started, cpu, client_cpu, machine = time.perf_counter(), cpu_seconds(pids), time.process_time(), machine_cpu_seconds()
+    """Every prompt through `send` on `pool`'s threads (as many at once): `run_record`."""
+    started, clocks = time.perf_counter(), cpu_clocks(pids)
 
     def timed(prompt: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -100,43 +118,26 @@ def measure(send: Callable[[list[int]], list[int]], prompts: list[list[int]], po
 
     outputs, latencies = zip(*pool.map(timed, prompts))
     wall = time.perf_counter() - started
-    return {
-        "outputs": list(outputs),
-        "latency_s": list(latencies),
-        "tokens_per_s": sum(map(len, outputs)) / wall,
-        "cpu_ms_per_request": 1e3 * (cpu_seconds(pids) - cpu) / len(prompts),
-        "client_cpu_ms_per_request": 1e3 * (time.process_time() - client_cpu) / len(prompts),
-        "machine_cpu_ms_per_request": 1e3 * (machine_cpu_seconds() - machine) / len(prompts),
-    }
+    spent = [b - a for a, b in zip(clocks, cpu_clocks(pids))]
+    return run_record(list(outputs), list(latencies), wall, spent, len(prompts))
 
 
 def measure_interleaved(
     sends: dict[str, Callable[[list[int]], list[int]]], prompts: list[list[int]], pids: list[int], turn: int
 ) -> dict[str, dict]:
     """Each prompt through every system in turn, one request at a time, the order rotating from prompt to prompt
-    (starting at `turn`): the same records as `measure`, one per system, each request's pair taken moments apart."""
+    (starting at `turn`): a `run_record` per system, each request's pair taken moments apart."""
     names = list(sends)
-    runs = {name: {"outputs": [], "latency_s": [], "cpu": 0.0, "client_cpu": 0.0, "machine": 0.0} for name in names}
+    outputs: dict[str, list] = {name: [] for name in names}
+    latencies: dict[str, list[float]] = {name: [] for name in names}
+    spent = {name: [0.0, 0.0, 0.0] for name in names}
     for i, prompt in enumerate(prompts):
         for name in names[(turn + i) % len(names) :] + names[: (turn + i) % len(names)]:
-            run, cpu, client_cpu, machine = runs[name], cpu_seconds(pids), time.process_time(), machine_cpu_seconds()
-            t0 = time.perf_counter()
-            run["outputs"].append(sends[name](prompt))
-            run["latency_s"].append(time.perf_counter() - t0)
-            run["cpu"] += cpu_seconds(pids) - cpu
-            run["client_cpu"] += time.process_time() - client_cpu
-            run["machine"] += machine_cpu_seconds() - machine
-    return {
-        name: {
-            "outputs": run["outputs"],
-            "latency_s": run["latency_s"],
-            "tokens_per_s": sum(map(len, run["outputs"])) / sum(run["latency_s"]),
-            "cpu_ms_per_request": 1e3 * run["cpu"] / len(prompts),
-            "client_cpu_ms_per_request": 1e3 * run["client_cpu"] / len(prompts),
-            "machine_cpu_ms_per_request": 1e3 * run["machine"] / len(prompts),
-        }
-        for name, run in runs.items()
-    }
+            clocks, t0 = cpu_clocks(pids), time.perf_counter()
+            outputs[name].append(sends[name](prompt))
+            latencies[name].append(time.perf_counter() - t0)
+            spent[name] = [total + b - a for total, a, b in zip(spent[name], clocks, cpu_clocks(pids))]
+    return {name: run_record(outputs[name], latencies[name], sum(latencies[name]), spent[name], len(prompts)) for name in names}
 
 
 def others_cpu(run: dict) -> float:
