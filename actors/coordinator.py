@@ -458,14 +458,14 @@ class Coordinator:
         job.service["coordinator"] += wall - (t.compute + t.rpc + t.serialize + t.queue + t.batch)
 
     def _close(self, job: Job) -> None:
-        """Free the request's caches on its workers and drop it from the request table."""
+        """Free the request's caches on its workers (both at once) and drop it from the request table."""
+        if job.session is not None:
+            try:
+                job.session.release("draft", "target")
+            except Exception:  # the request is over either way; a worker that lost the session frees it when it goes
+                log.warning("%s: could not free its sessions", job.request_id, exc_info=True)
         for side in ("draft", "target"):
             member = getattr(job, side)
-            if job.session is not None:
-                try:
-                    job.session.release(side)
-                except Exception:  # the request is over either way; a worker that lost the session frees it when it goes
-                    log.warning("%s: could not free its %s session", job.request_id, side, exc_info=True)
             if member is not None:
                 self.pools[side].release(member)
         with self._lock:

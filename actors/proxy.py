@@ -317,12 +317,30 @@ class WorkerClient:
             raise wire.WireError("costs", f"{len(curve.rows)} row counts (increasing) for {len(curve.seconds)} times")
         return list(curve.rows), list(curve.seconds)
 
-    def release(self, ref: tpb.RequestRef) -> None:
-        """Drop a request's session; a session or worker already gone is fine."""
+    def releasing(self, ref: tpb.RequestRef) -> Callable[[], None]:
+        """Send a Release of a request's session now; the returned function waits for its answer. A session or worker
+        already gone is fine."""
         try:
-            self.call("Release", lambda: pb.Release(ref=ref), pb.Released, lambda r: r, CallTiming())
-        except (WorkerLost, SessionLost):
-            pass
+            self._enter()
+        except WorkerLost:  # removed from its pool: its sessions go with it
+            return lambda: None
+        try:
+            sent = self._stub("Release").future(pb.Release(ref=ref).SerializeToString(), timeout=self.timeout, metadata=self._metadata)
+        except BaseException:
+            self._leave()
+            raise
+
+        def wait() -> None:
+            try:
+                pb.Released.FromString(sent.result())
+            except grpc.RpcError as error:
+                refused = self._translate(error)
+                if not isinstance(refused, (WorkerLost, SessionLost)):
+                    raise refused from None
+            finally:
+                self._leave()
+
+        return wait
 
     def close(self) -> None:
         """Refuse new calls; the channel closes once the calls in flight have returned."""
@@ -472,9 +490,17 @@ class RemoteRequest:
         """The draft's side of the publish: the word on this round (the draft worker holds its features)."""
         self._publish = pb.Publish(ref=self.ref(version), round_id=self.round_id, accepted_rows=self._accepted_rows, tokens=tokens)
 
-    def release(self, side: str) -> None:
-        """Drop the session on the "draft" or "target" worker; a session or worker already gone is fine."""
-        getattr(self, side).release(self.ref(0))
+    def release(self, *sides: str) -> None:
+        """Drop the sessions on the "draft" and/or "target" worker, the Releases sent at once; a session or worker
+        already gone is fine."""
+        errors = []
+        for wait in [getattr(self, side).releasing(self.ref(0)) for side in sides]:
+            try:
+                wait()
+            except Exception as exc:  # every answer is awaited before the first refusal is raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def decode(message: type[Message], data: bytes, field: str) -> Message:

@@ -1,10 +1,12 @@
 """Importing eyas changes no process-wide torch setting: an engine or worker sets what its forwards need when it
 starts (`eyas.runtime.device.prepare`), and a forward runs TorchScript unoptimized on its own thread only."""
 
+import platform
 import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from tests.helpers.tiny import make_drafter, make_target
 
@@ -28,8 +30,8 @@ def switches():
 """
 
 
-def run_python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", SWITCHES + code], capture_output=True, text=True, timeout=300)
+def run_python(code: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-c", SWITCHES + code, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -71,3 +73,41 @@ def test_a_forward_runs_torchscript_unoptimized_on_its_thread_and_leaves_the_set
     thread.start()
     thread.join()
     assert seen and not any(seen) and after == [True]
+
+
+FAULTS = """
+import resource, sys, threading, torch
+from eyas import wire
+from eyas.v1 import round_pb2 as pb
+from eyas.runtime.device import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+torch.set_num_threads(1)
+features = torch.randn(31, 24576).bfloat16()  # a 31-token prompt's EAGLE-3 features of a 70B target: 1.5 MB
+
+
+def calls(n):
+    for _ in range(n):  # what a Prefill costs in buffers: encoded, sent, decoded, copied into the Start, read
+        raw = pb.PrefillReply(features=wire.tensor_to_proto(features)).SerializeToString()
+        start = pb.DraftStart()
+        start.features.CopyFrom(pb.PrefillReply.FromString(raw).features)
+        torch.cat([wire.features_from_proto(start.features, "features", 31, 24576)])
+
+
+thread = threading.Thread(target=calls, args=(10,))  # a worker's buffers come from its threads' arenas too
+thread.start()
+thread.join()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+calls(100)
+print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 100)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc allocator setting")
+def test_freed_memory_is_reused_by_the_next_calls_buffers():
+    """`prepare` keeps freed heap for reuse: the megabyte buffers of a call then fault in few fresh pages, where
+    glibc's defaults fault in about every page of them each time."""
+    kept, faults = run_python(FAULTS, "keep").split()
+    _, default_faults = run_python(FAULTS, "default").split()
+    pages = 31 * 24576 * 2 / 4096  # one copy of the features
+    assert kept == "True"
+    assert float(faults) < pages / 2 < pages < float(default_faults), (faults, default_faults)

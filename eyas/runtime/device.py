@@ -3,7 +3,9 @@ forwards need."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import platform
 from pathlib import Path
 
 import torch
@@ -11,6 +13,9 @@ import torch
 from .linear import packs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+HEAP_BUFFERS = 32 << 20  # glibc's largest mmap threshold: buffers up to this size come from the heap
+KEPT_FREE = 64 << 20  # freed heap kept for the next call's buffers
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -47,10 +52,22 @@ def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, dtype: torch.dtyp
 
 
 def prepare(device: torch.device) -> None:
-    """Set the process-wide torch options the runtime's forwards on `device` need; an engine or a worker calls it
-    once at start (docs/runtime.md, "Process settings"). On CUDA: cuDNN's attention off."""
+    """Set the process-wide options the runtime's forwards on `device` need; an engine or a worker calls it once at
+    start. Freed memory stays for reuse (`keep_freed_memory`); on CUDA, cuDNN's attention is off (docs/runtime.md,
+    "Attention on CUDA")."""
+    keep_freed_memory()
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def keep_freed_memory() -> bool:
+    """Under glibc, serve buffers up to 32 MiB from the heap and keep 64 MiB of it free, so that a call's megabyte
+    buffers (a prompt's features, encoded and decoded) reuse pages instead of faulting in fresh ones
+    (docs/runtime.md, "Freed memory"). Returns whether the allocator took the settings."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BUFFERS)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE))
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
