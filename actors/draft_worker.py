@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -31,7 +32,7 @@ from eyas.proposer import DraftModel, DraftSession
 from eyas.runtime.batch import Operation
 from eyas.steps import Steps
 from eyas.rpc import call_metadata, field_of
-from eyas.tree import FlattenedTree, TreeError
+from eyas.tree import FlattenedTree, TreeError, TreePolicy
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
@@ -59,6 +60,8 @@ class Drafted:
     verify_request: bytes
     proposal: pb.Proposal
     with_features: bool  # the reply's verification keeps its accepted rows' features
+    policy: TreePolicy
+    next: Future | None  # with `draft_next`: settles once the request's next call may run (`draft_next`)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class DraftWorker(Worker):
         self._targets: dict[str, grpc.aio.Channel] = {}  # target address -> a channel to it (prefills)
         self._streams: dict[str, BatchStream] = {}  # target address -> the stream its Verify batches go on
         self._credential = call_metadata(spec.token)
+        self._next: dict[str, Future] = {}  # request id -> its last Round's `Drafted.next`, until `followup` takes it
 
     def forget(self, request_id: str) -> None:
         self.relayed.pop(request_id, None)
@@ -134,8 +138,39 @@ class DraftWorker(Worker):
         return settled
 
     def followup(self, request_id: str) -> Future | None:
+        """A Round with `draft_next`: its `Drafted.next`; else the session's drafting ahead."""
+        then = self._next.pop(request_id, None)
+        if then is not None:
+            return then
         session = self.sessions.get(request_id)
         return None if session is None else session.ahead_job
+
+    def draft_next(self, drafted: Drafted, relayed: Relayed | None) -> None:
+        """Once the session's drafting ahead has ended: when the round's verification (`relayed`) decided an outcome no
+        tree was drafted ahead for, draft that outcome's tree now (`DraftSession.draft_decided`), so that the next
+        Round finds it rather than drafting after the coordinator's word; then settle `drafted.next`. A draft that
+        fails changes nothing the next Round does not redo (and the Round reports the failure)."""
+        then, request_id = drafted.next, drafted.ref.request_id
+        session = self.sessions.get(request_id)
+
+        def start(_=None) -> None:
+            try:
+                if relayed is None or self.sessions.get(request_id) is not session or session.has_ahead(relayed.version, relayed.tokens, drafted.policy):
+                    then.set_result(None)
+                    return
+                steps = session.draft_decided(relayed.version, relayed.features, list(relayed.tokens), drafted.policy)
+                self.scheduler.submit(steps).add_done_callback(lambda _: then.set_result(None))
+            except BaseException:  # the request's next call must not wait for ever
+                if not then.done():
+                    then.set_result(None)
+                raise
+
+        if then is None:
+            return
+        if session is None or session.ahead_job is None:
+            start()
+        else:
+            session.ahead_job.add_done_callback(start)
 
     def interrupt(self, request_id: str) -> None:
         """The request's next call means its round was decided: its drafting ahead stops at the next drafter step."""
@@ -208,7 +243,12 @@ class DraftWorker(Worker):
             ref=ask.ref, tree=wire.proposed_tree_to_proto(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
         )
         proposed = wire.proposal_to_proto(proposal, ask.ref, ask.with_records)
-        drafted = Drafted(ask.ref, msg.target, proposal.tree, verify.SerializeToString(), proposed, msg.with_features)
+        drafted = Drafted(
+            ask.ref, msg.target, proposal.tree, verify.SerializeToString(), proposed, msg.with_features, policy,
+            Future() if msg.draft_next else None,
+        )
+        if drafted.next is not None:
+            self._next[ask.ref.request_id] = drafted.next
         clock.lap("encode")
         return drafted
 
@@ -266,6 +306,15 @@ class DraftWorker(Worker):
         await asyncio.gather(*(self._verify_at(address, calls) for address, calls in targets.items()))
 
     async def _verify_at(self, address: str, calls: list[Served]) -> None:
+        drafted = [call.reply for call in calls]
+        decided: dict[int, Relayed] = {}  # call index -> the verification relayed for it
+        try:
+            await self._relay_to(address, calls, decided)
+        finally:  # the next tree waits for the reply to leave: drafting it would hold this process's GIL meanwhile
+            for i, (call, round_drafted) in enumerate(zip(calls, drafted)):
+                call.then = partial(self.draft_next, round_drafted, decided.get(i))
+
+    async def _relay_to(self, address: str, calls: list[Served], decided: dict[int, "Relayed"]) -> None:
         batch = pb.CallBatch(method="Verify", calls=[call.reply.verify_request for call in calls])
         if address not in self._streams:
             self._streams[address] = BatchStream(address, pb.DESCRIPTOR.services_by_name["TargetWorker"].full_name, self._credential)
@@ -279,7 +328,7 @@ class DraftWorker(Worker):
             for call in calls:
                 call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target.results", f"{len(results)} results for {len(calls)} calls from {address}"))
             return
-        for call, result in zip(calls, results):
+        for i, (call, result) in enumerate(zip(calls, results)):
             call.clock.skip()  # the wait on the target: its own phases come back in the reply
             if result.code:
                 call.fail(ServiceError(STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN), target_field(result.field), result.details))
@@ -287,7 +336,7 @@ class DraftWorker(Worker):
             drafted: Drafted = call.reply
             try:
                 relayed, answer = self._receive(drafted, result.reply)
-                self.relayed[drafted.ref.request_id] = relayed
+                self.relayed[drafted.ref.request_id] = decided[i] = relayed
             except (DecodeError, wire.WireError, TreeError) as exc:
                 field = getattr(exc, "field", "message")
                 call.fail(ServiceError(grpc.StatusCode.INTERNAL, f"target.{field}", f"the target's verification fails its receipt check: {exc}"))

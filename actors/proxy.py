@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError, Message
 
 from eyas import wire
 from eyas.autotree import EXPLORATIONS
+from eyas.request import RequestState
 from eyas.rounds import Proposal, Verification
 from eyas.treerows import check_fit
 from eyas.rpc import call_metadata, field_of
@@ -372,15 +373,17 @@ class RemoteRequest:
         timing: CallTiming,
         vocab_size: int,
         feature_width: int,
-        sampling: SamplingParams,
+        request: RequestState,
         with_features: bool = False,
     ):
-        """`with_features`: each round's verification comes back with its accepted rows' features (for a trace)."""
+        """`request`: its sampling options and how many tokens it may still take; `with_features`: each round's
+        verification comes back with its accepted rows' features (for a trace)."""
         self.draft, self.target = draft, target
         self.request_id, self.manifest_id = request_id, manifest_id
         self.timing = timing
         self.vocab_size, self.feature_width = vocab_size, feature_width
-        self.params, self.sampling = sampling, wire.sampling_to_proto(sampling)
+        self.request = request
+        self.params, self.sampling = request.sampling, wire.sampling_to_proto(request.sampling)
         self.with_features = with_features
         self._prefilled: list[int] = []  # the tokens the target prefills at the start
         self._accepted_rows: tuple[int, ...] = ()  # the target's side of the publish, until the draft's completes it
@@ -428,6 +431,8 @@ class RemoteRequest:
         on the workers), and returns the proposal; its verification waits for `verify_steps`."""
         round_id = secrets.token_hex(16)
         word = self._publish
+        # a round commits at most depth + 1 tokens: with more left, the next round follows unless a stop ends it
+        goes_on = self.request.stop.max_new_tokens - len(self.request.output) > policy.depth + 1
 
         def build() -> pb.RoundRequest:
             ask = pb.DraftRequest(
@@ -435,7 +440,7 @@ class RemoteRequest:
             )
             return pb.RoundRequest(
                 draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address,
-                with_features=self.with_features,
+                with_features=self.with_features, draft_next=goes_on,
             )
 
         def parse(reply: pb.RoundReply) -> Proposal:

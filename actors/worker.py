@@ -87,6 +87,7 @@ class Served:
     clock: Clock = field(default_factory=Clock)
     forwards: list[tuple[int, float]] = field(default_factory=list)
     data: bytes | None = None
+    then: Callable[[], None] | None = None  # work to start once the reply is on its way (whatever it says)
 
     def fail(self, error: BaseException) -> None:
         self.reply, self.error = None, error
@@ -104,6 +105,13 @@ def rss_bytes() -> int:
     except OSError:
         scale = 1 if sys.platform == "darwin" else 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def start_then(served: list[Served]) -> None:
+    """Start the work each call left for once its reply is on its way."""
+    for call in served:
+        if call.then is not None:
+            call.then()
 
 
 def request_key(msg: Message) -> str:
@@ -233,6 +241,7 @@ class Worker:
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             [call] = await self._serve(method, request_type, fn, [raw])
+            start_then([call])
             if call.error is not None:
                 await abort(context, call.error)
             context.set_trailing_metadata(call.clock.trailer())
@@ -246,7 +255,10 @@ class Worker:
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                return (await self._reply(endpoints, self._parse(endpoints, raw))).SerializeToString()
+                reply, served = await self._reply(endpoints, self._parse(endpoints, raw))
+                data = reply.SerializeToString()
+                start_then(served)
+                return data
             except Exception as exc:
                 await abort(context, exc)
 
@@ -261,9 +273,12 @@ class Worker:
             writing, answers = asyncio.Lock(), set()
 
             async def answer(batch: pb.CallBatch) -> None:
-                reply = await self._reply(endpoints, batch)
-                async with writing:
-                    await context.write(reply.SerializeToString())
+                reply, served = await self._reply(endpoints, batch)
+                try:
+                    async with writing:
+                        await context.write(reply.SerializeToString())
+                finally:
+                    start_then(served)
 
             try:
                 async for raw in requests:
@@ -287,10 +302,13 @@ class Worker:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "method", f"{batch.method!r} is not one of {sorted(endpoints)}")
         return batch
 
-    async def _reply(self, endpoints: dict[str, tuple[type[Message], Callable]], batch: pb.CallBatch) -> pb.CallBatchReply:
-        """A CallBatch's reply: each call's own result (status, reply, phase seconds, forwards)."""
+    async def _reply(
+        self, endpoints: dict[str, tuple[type[Message], Callable]], batch: pb.CallBatch
+    ) -> tuple[pb.CallBatchReply, list[Served]]:
+        """A CallBatch's reply, each call's own result (status, reply, phase seconds, forwards), and the calls."""
         results = []
-        for call in await self._serve(batch.method, *endpoints[batch.method], list(batch.calls)):
+        served = await self._serve(batch.method, *endpoints[batch.method], list(batch.calls))
+        for call in served:
             timing = {
                 "seconds": [call.clock.seconds[p] for p in PHASES],
                 "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in call.forwards],
@@ -300,17 +318,21 @@ class Worker:
             else:
                 code, field, details = status_of(call.error)
                 results.append(pb.CallResult(code=code.value[0], field=field, details=details, **timing))
-        return pb.CallBatchReply(results=results, id=batch.id)
+        return pb.CallBatchReply(results=results, id=batch.id), served
 
     async def _serve(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
         """Serve calls of `method` (`_serve_calls`), finish those that need another worker (`relay`), and encode
         each reply."""
         served = await self._serve_calls(method, request_type, fn, raws)
-        await self.relay(method, served)
-        for call in served:
-            if call.error is None:
-                call.data = call.reply.SerializeToString()
-                call.clock.lap("encode")
+        try:
+            await self.relay(method, served)
+            for call in served:
+                if call.error is None:
+                    call.data = call.reply.SerializeToString()
+                    call.clock.lap("encode")
+        except BaseException:
+            start_then(served)  # no reply will leave
+            raise
         return served
 
     async def _serve_calls(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:

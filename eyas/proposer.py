@@ -417,7 +417,7 @@ class DraftSession:
         if self.last_reseed is not None and self.last_reseed[0] == version - 1:
             hit = ahead.get((version, self.last_reseed[1][:-1], root_token, policy))
         if hit is not None:  # its rows (and the path rows it sees) stay until the next reseed
-            self.ahead_hits += 1
+            self.ahead_hits += hit.proposal.assumed is not None  # else the decided outcome's (`draft_decided`)
             self.written = hit.end
             grown = hit
         else:
@@ -429,6 +429,21 @@ class DraftSession:
             self._ahead_stop, self._decided = False, None
             self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy), self._ahead_priority)
         return grown.proposal
+
+    def draft_decided(self, version: int, features: torch.Tensor, tokens: list[int], policy: TreePolicy) -> Steps[None]:
+        """The next round's tree for the outcome a verification of `version` decided, drafted before the word on it:
+        the reseed the word will name (which it then finds applied) and the tree `propose_steps` would draft after it,
+        which the next round finds among the trees ahead."""
+        self.reseed(version, features, tokens)
+        drafting = policy.depth > 0 and policy.budget > 0
+        candidates = yield from self._run_pending(policy.width if drafting else 0)
+        grown = yield from self._grow(tokens[-1], self.root_state, [], self.committed, policy, candidates)
+        self.ahead[(version + 1, tuple(tokens[:-1]), tokens[-1], policy)] = grown
+
+    def has_ahead(self, version: int, tokens: tuple[int, ...], policy: TreePolicy) -> bool:
+        """Whether a tree for the next round after the outcome `tokens` (accepted tokens, then the bonus) of `version`
+        is ready."""
+        return (version + 1, tuple(tokens[:-1]), tokens[-1], policy) in self.ahead
 
     def _grow(
         self,

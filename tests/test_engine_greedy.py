@@ -16,6 +16,7 @@ from eyas import Engine
 from eyas.drafters import drafter_config
 from eyas.publish import publish, reseed_tokens
 from eyas.rounds import start
+from eyas.steps import run_alone
 from eyas.tree import TreePolicy
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral"]
@@ -159,6 +160,34 @@ def test_a_tree_drafted_ahead_is_used_only_for_the_version_and_outcome_it_assume
     draft._settle_ahead()
     assert draft.ahead and all(key[0] == 2 for key in draft.ahead)  # the other version-1 trees are gone, never sent
     target_session.close(), draft.close()
+
+
+def test_the_decided_outcomes_tree_drafted_before_the_word_is_the_tree_its_round_drafts(family):
+    """`draft_decided` (a draft worker's, once a verification it relayed decides a round of a request that goes on):
+    the reseed the word then finds applied and the very tree the next round would have drafted, which that round
+    takes without drafting; no token changes and no draft-ahead hit is counted."""
+    _, root, target, references = family
+    engine = Engine.from_pretrained(target, make_drafter(root / "decided", target, "eagle1"), tree={"width": 4, "depth": 3, "budget": 10})
+    plain, early = (engine.new_request(PROMPTS[0], max_new_tokens=24) for _ in range(2))
+    (plain_target, plain_draft), (early_target, early_draft) = engine.sessions(plain), engine.sessions(early)
+    start(plain, plain_draft, plain_target)
+    start(early, early_draft, early_target)
+    drafted_early = 0
+    while not plain.done:
+        ready = list(early_draft.ahead.values())
+        expected = plain_draft.propose(plain.version, plain.root_token, engine.tree)
+        proposal = early_draft.propose(early.version, early.root_token, engine.tree)
+        assert torch.equal(proposal.tree.tokens, expected.tree.tokens) and torch.equal(proposal.tree.parents, expected.tree.parents)
+        drafted_early += bool(ready) and proposal is ready[0].proposal
+        decided = early_target.verify(proposal.tree, early.version, early.sampling)
+        run_alone(early_draft.draft_decided(early.version, decided.features, reseed_tokens(decided.decision), engine.tree))
+        publish(early, decided.decision, decided.features, early_target, early_draft)  # its reseed: applied already
+        verification = plain_target.verify(expected.tree, plain.version, plain.sampling)
+        publish(plain, verification.decision, verification.features, plain_target, plain_draft)
+    assert early.output == plain.output == references[0][:24]
+    assert drafted_early == plain.version - 1 > 0 and early_draft.ahead_hits == 0
+    for session in (plain_target, plain_draft, early_target, early_draft):
+        session.close()
 
 
 def test_drafting_ahead_interrupted_by_the_decision_drops_its_trees_and_changes_no_token(family):

@@ -61,7 +61,7 @@ def remote_request(
     request = request or workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id=request_id)
     return RemoteRequest(
         draft or workers["draft"], target or workers["target"], request_id, info.manifest_id, CallTiming(), info.vocab_size,
-        info.feature_width, request.sampling, with_features,
+        info.feature_width, request, with_features,
     )
 
 
@@ -301,14 +301,22 @@ def test_a_round_batch_refuses_each_bad_call_alone(workers):
 def test_each_round_reports_the_forwards_each_worker_ran(workers):
     """A Round comes back with the model forwards each worker ran for it (rows, batch-mates' among them, and seconds):
     what tree auto prices trees with in a service, as an engine's forwards do in process. Drafting is one forward per
-    level of the tree; a verification alone is one forward of its tree's rows."""
-    live = Live(workers, "forwards")
-    record = run_round(live.request, live.pair, live.pair, live.engine.tree)
-    assert len(live.pair.draft_forwards) == live.engine.tree.depth
-    assert all(rows > 0 and seconds > 0 for rows, seconds in live.pair.draft_forwards)
-    [(rows, seconds)] = live.pair.target_forwards
+    level of the tree below the root; a verification alone is one forward of its tree's rows. A request that goes on past a round
+    (`draft_next`) has its next tree drafted as that round's verification comes back: the next Round drafts nothing."""
+    request = workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id="forwards")
+    pair = remote_request(workers, "forwards", request=request)
+    start(request, pair, pair)
+    record = run_round(request, pair, pair, workers["engine"].tree)
+    assert len(pair.draft_forwards) == workers["engine"].tree.depth - 1  # the root's candidates came with the Start
+    assert all(rows > 0 and seconds > 0 for rows, seconds in pair.draft_forwards)
+    [(rows, seconds)] = pair.target_forwards
     assert rows == record.tree.num_rows and seconds > 0
-    assert live.finish() == expected_output(workers)
+    record = run_round(request, pair, pair, workers["engine"].tree)
+    assert pair.draft_forwards == [] and len(pair.target_forwards) == 1 and record.tree.num_rows > 1
+    while not request.done:
+        run_round(request, pair, pair, workers["engine"].tree)
+    pair.release("draft", "target")
+    assert request.output == expected_output(workers)
 
 
 @pytest.mark.parametrize("with_features", [False, True])

@@ -102,20 +102,22 @@ class DraftRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ..., with_records: _Optional[bool] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("draft", "publish", "sampling", "round_id", "target", "with_features")
+    __slots__ = ("draft", "publish", "sampling", "round_id", "target", "with_features", "draft_next")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     WITH_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
     draft: DraftRequest
     publish: Publish
     sampling: SamplingParams
     round_id: str
     target: str
     with_features: bool
-    def __init__(self, draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., round_id: _Optional[str] = ..., target: _Optional[str] = ..., with_features: _Optional[bool] = ...) -> None: ...
+    draft_next: bool
+    def __init__(self, draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., round_id: _Optional[str] = ..., target: _Optional[str] = ..., with_features: _Optional[bool] = ..., draft_next: _Optional[bool] = ...) -> None: ...
 
 class Publish(_message.Message):
     __slots__ = ("ref", "round_id", "accepted_rows", "tokens")
