@@ -498,11 +498,16 @@ class RemoteRequest:
     def release(self, *sides: str) -> None:
         """Drop the sessions on the "draft" and/or "target" worker, the Releases sent at once; a session or worker
         already gone is fine."""
-        errors = []
-        for wait in [getattr(self, side).releasing(self.ref(0)) for side in sides]:
+        waits, errors = [], []
+        for side in sides:
+            try:
+                waits.append(getattr(self, side).releasing(self.ref(0)))
+            except Exception as exc:
+                errors.append(exc)
+        for wait in waits:
             try:
                 wait()
-            except Exception as exc:  # every answer is awaited before the first refusal is raised
+            except Exception as exc:  # every Release sent is awaited before the first failure is raised
                 errors.append(exc)
         if errors:
             raise errors[0]
