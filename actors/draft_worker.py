@@ -155,7 +155,8 @@ class DraftWorker(Worker):
 
         def start(_=None) -> None:
             try:
-                if relayed is None or self.sessions.get(request_id) is not session or session.has_ahead(relayed.version, relayed.tokens, drafted.policy):
+                gone = self.sessions.get(request_id) is not session
+                if relayed is None or gone or session.has_ahead(relayed.version, relayed.tokens, drafted.policy):
                     then.set_result(None)
                     return
                 steps = session.draft_decided(relayed.version, relayed.features, list(relayed.tokens), drafted.policy)

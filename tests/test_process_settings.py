@@ -84,7 +84,8 @@ from eyas.runtime.device import keep_freed_memory
 
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    _fields_ = [(n, ctypes.c_size_t) for n in names]
 
 
 libc = ctypes.CDLL(None)
