@@ -304,7 +304,10 @@ class DraftWorker(Worker):
         for call in served:
             if call.error is None:
                 targets.setdefault(call.reply.target, []).append(call)
-        await asyncio.gather(*(self._verify_at(address, calls) for address, calls in targets.items()))
+        ends = await asyncio.gather(*(self._verify_at(address, calls) for address, calls in targets.items()), return_exceptions=True)
+        for end in ends:  # every target's calls are settled before an unexpected error goes on
+            if isinstance(end, BaseException):
+                raise end
 
     async def _verify_at(self, address: str, calls: list[Served]) -> None:
         drafted = [call.reply for call in calls]
