@@ -4,7 +4,7 @@ pool"; "Drafting ahead"). A committed draft row t holds (feature f_t, advanced t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -261,6 +261,12 @@ class Grown:
     end: int  # the session's written rows once it was grown
 
 
+def next_round_key(version: int, tokens: Sequence[int], policy: TreePolicy) -> tuple:
+    """`DraftSession.ahead`'s key of the next round's tree after the outcome `tokens` (accepted tokens, then the bonus)
+    of a round of `version`."""
+    return (version + 1, tuple(tokens[:-1]), tokens[-1], policy)
+
+
 class DraftSession:
     """One request's drafter state: a draft KV slot (verified rows [0, committed), a round's tree rows up to
     `written`), the verified rows not yet run, and the root's state."""
@@ -421,9 +427,7 @@ class DraftSession:
             self.written = hit.end
             grown = hit
         else:
-            drafting = policy.depth > 0 and policy.budget > 0
-            candidates = yield from self._run_pending(policy.width if drafting else 0)
-            grown = yield from self._grow(root_token, self.root_state, [], self.committed, policy, candidates)
+            grown = yield from self._draft_fresh(root_token, policy)
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
             self.proposed = (version, grown.proposal.draft_tree, grown.proposal.row_nodes)
             self._ahead_stop, self._decided = False, None
@@ -435,15 +439,18 @@ class DraftSession:
         the reseed the word will name (which it then finds applied) and the tree `propose_steps` would draft after it,
         which the next round finds among the trees ahead."""
         self.reseed(version, features, tokens)
-        drafting = policy.depth > 0 and policy.budget > 0
-        candidates = yield from self._run_pending(policy.width if drafting else 0)
-        grown = yield from self._grow(tokens[-1], self.root_state, [], self.committed, policy, candidates)
-        self.ahead[(version + 1, tuple(tokens[:-1]), tokens[-1], policy)] = grown
+        self.ahead[next_round_key(version, tokens, policy)] = yield from self._draft_fresh(tokens[-1], policy)
 
     def has_ahead(self, version: int, tokens: tuple[int, ...], policy: TreePolicy) -> bool:
         """Whether a tree for the next round after the outcome `tokens` (accepted tokens, then the bonus) of `version`
         is ready."""
-        return (version + 1, tuple(tokens[:-1]), tokens[-1], policy) in self.ahead
+        return next_round_key(version, tokens, policy) in self.ahead
+
+    def _draft_fresh(self, root_token: int, policy: TreePolicy) -> Steps["Grown"]:
+        """Run the verified rows queued since the last round, then grow a tree from the new root's state."""
+        drafting = policy.depth > 0 and policy.budget > 0
+        candidates = yield from self._run_pending(policy.width if drafting else 0)
+        return (yield from self._grow(root_token, self.root_state, [], self.committed, policy, candidates))
 
     def _grow(
         self,
