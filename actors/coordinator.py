@@ -378,14 +378,15 @@ class Coordinator:
     def _observe(self, job: Job, record: RoundRecord, concurrent: int) -> None:
         """Feed an auto round to the tuner: its acceptance, and every forward its calls ran on the workers (rows,
         batch-mates' among them, and seconds), which the tuner sets against the measured curves (warm and alone
-        there; inside rounds the other model has evicted their weights), as the engine feeds it every forward."""
+        there; inside rounds the other model has evicted their weights) for rounds of `concurrent` requests stepping
+        together, as the engine feeds it every forward."""
         with self._tuner_lock:
             self.tuner.observe(record, concurrent, 0.0 if record.pre_built else job.session.off_worker)
             for rows, seconds in job.session.target_forwards:
-                self.tuner.costs.observe("verify", rows, seconds)
+                self.tuner.costs.observe("verify", rows, seconds, concurrent)
             if not record.pre_built:  # a tree drafted ahead computed beside the last verification
                 for rows, seconds in job.session.draft_forwards:
-                    self.tuner.costs.observe("draft", rows, seconds)
+                    self.tuner.costs.observe("draft", rows, seconds, concurrent)
 
     def _auto_policy(self, concurrent: int) -> TreePolicy:
         with self._tuner_lock:

@@ -354,12 +354,13 @@ class Engine:
         text = self.target.tokenizer.decode(request.output) if self.target.tokenizer is not None else None
         return Generation(request.output, text, request.finish_reason, stats, request.prompt_ids)
 
-    def _observe_forward(self, runner: object, rows: int, seconds: float) -> None:
-        """A batched forward of `rows` rows took `seconds`: tree auto's costs follow what forwards cost in rounds."""
+    def _observe_forward(self, runner: object, rows: int, seconds: float, calls: int) -> None:
+        """A batched forward of `rows` rows of `calls` calls took `seconds`: tree auto's costs follow what forwards
+        cost in rounds."""
         kind = "verify" if runner is self.target else "draft" if runner is self.draft else None
         if kind is not None and self._tuner is not None:
             with self._tuner_lock:
-                self._tuner.costs.observe(kind, rows, seconds)
+                self._tuner.costs.observe(kind, rows, seconds, calls)
 
     def _policy(self, concurrent: int) -> TreePolicy:
         tuner = self.tuner

@@ -15,7 +15,7 @@ from eyas.autotree import EXPLORATIONS, EXPLORE, Costs, Replay, TreeTuner, expec
 from eyas.autotree.costs import MIN_OBSERVED, fit_line
 from eyas.autotree.explored import LEVEL_PRIOR, LevelCorrection
 from eyas.autotree.grid import EXPLORE_CHAIN, EXPLORE_NARROW, grid
-from eyas.autotree.tuner import LOCKSTEP_ROUNDS, PREDICTION_ROUNDS, RECORRECT_ROUNDS
+from eyas.autotree.tuner import LOCKSTEP_ROUNDS, PREDICTION_ROUNDS, RECORRECT_ROUNDS, REPLAYED_ROUNDS, Kept
 from eyas.drafters import drafter_config
 from eyas.outcomes import Calibration
 from eyas.proposer import DraftSession
@@ -119,7 +119,7 @@ def test_chosen_rounds_that_held_a_floor_move_its_price():
     tuner.explored_chains.append(chain_replay([0.9, 0.9, 0.5, 0.9]))  # 3 levels, 4 rows
     tuner.explored_chains.append(chain_replay([0.4, 0.9]))  # 1 level, 2 rows
     policy = TreePolicy(1, 8, 8, 0.5)
-    tuner.replayed[policy] = deque([(4.0, 4, 5)] * 8)
+    tuner.replayed[policy] = Kept([(4.0, 4, 5)] * 8)
     # weights 4, 4 and 8 x 1: levels (3 * 4 + 1 * 4 + 4 * 8) / 16, rows (4 * 4 + 2 * 4 + 5 * 8) / 16
     assert tuner.shape(policy, 1) == (3.0, 4.0)
     # P(one draw < k) for k = 1 .. 4: 0, 1/4, 1/4, 1/2, so E[max of two] = 1 + 15/16 + 15/16 + 3/4
@@ -286,8 +286,8 @@ def test_a_choice_prices_the_whole_grid_as_score_prices_each_policy():
     tuner.explored_narrow.append(Replay(tree, {a: 1.0, b: 0.0, 3: 0.5, 4: 0.0, 5: 1.0}))
     tuner.costs.overhead_per_depth, tuner.costs.overhead_per_round, tuner.costs.overhead_per_row = 0.0005, 0.003, 0.0001
     tuner.costs.lockstep_per_level[8], tuner.costs.round_at_concurrency[8] = 0.002, 0.014
-    tuner.replayed[TreePolicy(1, 8, 8, 0.2)] = deque([(4.0, 4, 5)] * 8)
-    tuner.replayed[TreePolicy(1, 2, 2)] = deque([(2.0, 2, 3)] * 4)
+    tuner.replayed[TreePolicy(1, 8, 8, 0.2)] = Kept([(4.0, 4, 5)] * 8)
+    tuner.replayed[TreePolicy(1, 2, 2)] = Kept([(2.0, 2, 3)] * 4)
     for factors in (None, [1.0, 0.93, 0.81, 0.8, 0.77, 0.6, 0.55, 0.5]):  # before and after a level correction
         tuner.factors = factors
         assert tuner._grid_tokens().tolist() == [tuner.tokens(p) for p in grid()]  # the same arithmetic, bit for bit
@@ -550,6 +550,23 @@ def test_a_point_measured_under_load_is_priced_by_its_own_forwards():
     assert costs.draft_at(4) == pytest.approx(0.0050)
     assert costs.scales["draft"] == pytest.approx((0.25 + 2.0) / 2)  # the median of all, for the 2-row point
     assert costs.draft_at(2) == pytest.approx(0.002 * costs.scales["draft"])
+
+
+def test_forwards_of_several_calls_scale_a_curve_of_their_own():
+    """Requests stepping together share a forward and pay for each call beyond their rows: forwards of 8 calls scale
+    the curve that prices rounds of 8, and leave the lone curve (and 4, not measured yet, on the lone curve) alone."""
+    costs = Costs([1, 24, 65], [0.010, 0.012, 0.020], [1, 16], [0.001, 0.002])
+    for _ in range(MIN_OBSERVED):
+        costs.observe("verify", 24, 0.024, calls=8)  # 8 requests of 3 rows: twice the lone 24-row forward
+        costs.observe("verify", 1, 0.010)
+    assert costs.verify_at(24, 8) == pytest.approx(0.024) and costs.verify_at(65, 8) == pytest.approx(0.040)
+    assert costs.verify_at(24) == pytest.approx(0.012) and costs.verify_at(24, 4) == pytest.approx(0.012)
+    assert costs.model_seconds(TreePolicy(1, 2, 2), 1.0, 8) == pytest.approx(2 * costs.draft_at(8) + 0.024)
+
+
+def test_kept_rounds_keep_their_tokens_sum_as_old_rounds_leave():
+    kept = Kept([(float(i), 1, 2) for i in range(REPLAYED_ROUNDS + 10)])
+    assert len(kept) == REPLAYED_ROUNDS and kept.tokens == pytest.approx(sum(t for t, _, _ in kept))
 
 
 def test_the_engine_feeds_its_forwards_to_tree_auto(engine):

@@ -65,64 +65,75 @@ class Costs:
     overhead_per_row: float = 0.0
     lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
     round_at_concurrency: dict[int, float] = field(default_factory=dict)  # concurrency > 1 -> a round's own bookkeeping there
-    observed: dict[str, deque] = field(default_factory=dict)  # "verify" / "draft" -> recent observed / measured ratios
-    observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (kind, measured point) -> ratios nearest it
-    point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
-    scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of all its ratios
-    scaled: dict[str, list[float]] = field(default_factory=dict)  # "verify" / "draft" -> its curve, each point scaled
-    # (kind, rows) -> seconds, until the next observed forward
+    # curve -> recent observed / measured ratios; a curve is "verify" or "draft" for forwards of one call, else
+    # `curve(kind, calls)`: several requests' calls in one forward cost more than their rows alone (docs/autotree.md)
+    observed: dict[str, deque] = field(default_factory=dict)
+    observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (curve, measured point) -> ratios nearest it
+    point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (curve, point) -> median of its own ratios
+    scales: dict[str, float] = field(default_factory=dict)  # curve -> median of all its ratios
+    scaled: dict[str, list[float]] = field(default_factory=dict)  # curve -> the measured points, each scaled
+    # (curve, rows) -> seconds, until the next observed forward
     _at: dict[tuple[str, float], float] = field(default_factory=dict, repr=False, compare=False)
 
-    def verify_at(self, rows: float) -> float:
-        """Seconds of one target forward over `rows` rows, as measured, scaled by what forwards took in rounds."""
-        return self._curve_at("verify", rows)
+    def verify_at(self, rows: float, calls: int = 1) -> float:
+        """Seconds of one target forward over `rows` rows of `calls` requests, as measured, scaled by what such
+        forwards took in rounds (by what forwards of one call took, until `calls` has its own)."""
+        return self._curve_at("verify", rows, calls)
 
-    def draft_at(self, rows: float) -> float:
-        """Seconds of one drafter forward over `rows` rows, likewise."""
-        return self._curve_at("draft", rows)
+    def draft_at(self, rows: float, calls: int = 1) -> float:
+        """Seconds of one drafter forward over `rows` rows of `calls` requests, likewise."""
+        return self._curve_at("draft", rows, calls)
 
-    def _curve_at(self, kind: str, rows: float | np.ndarray) -> float | np.ndarray:
-        """`kind`'s scaled curve ("verify" or "draft") at `rows`, a number (cached) or an array."""
-        key = None if isinstance(rows, np.ndarray) else (kind, rows)
+    def _measured(self, kind: str) -> tuple[list[int], list[float]]:
+        return (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
+
+    def _curve_at(self, kind: str, rows: float | np.ndarray, calls: int = 1) -> float | np.ndarray:
+        """`kind`'s scaled curve ("verify" or "draft") for forwards of `calls` calls at `rows`, a number (cached) or
+        an array."""
+        name = curve(kind, calls)
+        name = name if name in self.scaled else kind
+        key = None if isinstance(rows, np.ndarray) else (name, rows)
         if key not in self._at:
-            xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
-            value = _interpolate(xs, self.scaled.get(kind, ys), rows)
+            xs, ys = self._measured(kind)
+            value = _interpolate(xs, self.scaled.get(name, ys), rows)
             if key is None:
                 return value
             self._at[key] = value
         return self._at[key]
 
-    def observe(self, kind: str, rows: int, seconds: float) -> None:
-        """Fold in one forward of `kind` ("verify" or "draft") over `rows` rows that took `seconds`: its ratio to the
-        curve scales the point nearest its rows and the whole curve (medians; prefills past the curve left out)."""
-        xs, ys = (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
+    def observe(self, kind: str, rows: int, seconds: float, calls: int = 1) -> None:
+        """Fold in one forward of `kind` ("verify" or "draft") over `rows` rows of `calls` requests that took
+        `seconds`: its ratio to the measured curve scales the point nearest its rows and the whole curve, of forwards
+        of that many calls (medians; prefills past the curve left out)."""
+        xs, ys = self._measured(kind)
         if not 0 < rows <= xs[-1]:
             return
         self._at.clear()
+        name = curve(kind, calls)
         ratio = seconds / _interpolate(xs, ys, rows)
-        ratios = self.observed.setdefault(kind, deque(maxlen=OBSERVED_FORWARDS))
+        ratios = self.observed.setdefault(name, deque(maxlen=OBSERVED_FORWARDS))
         ratios.append(ratio)
         nearest = min(range(len(xs)), key=lambda i: abs(math.log(xs[i] / rows)))
-        own = self.observed_at.setdefault((kind, nearest), deque(maxlen=OBSERVED_FORWARDS))
+        own = self.observed_at.setdefault((name, nearest), deque(maxlen=OBSERVED_FORWARDS))
         own.append(ratio)
         if len(own) >= MIN_OBSERVED:
-            self.point_scales[kind, nearest] = statistics.median(own)
+            self.point_scales[name, nearest] = statistics.median(own)
         if len(ratios) >= MIN_OBSERVED:
-            overall = self.scales[kind] = statistics.median(ratios)
-            self.scaled[kind] = [y * self.point_scales.get((kind, i), overall) for i, y in enumerate(ys)]
+            overall = self.scales[name] = statistics.median(ratios)
+            self.scaled[name] = [y * self.point_scales.get((name, i), overall) for i, y in enumerate(ys)]
 
     def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, levels: float | None = None) -> float:
         """The drafter's forwards for `levels` levels (default the depth) of `concurrent` requests: the seed rows, then
         width rows a level. Here and below `policy` may be `grid_arrays()`, with arrays for the rest: the whole grid."""
         levels = policy.depth if levels is None else levels
         n = concurrent
-        drafting = self.draft_at(n * seed_rows) + _positive(levels - 1) * self.draft_at(n * policy.width)
+        drafting = self.draft_at(n * seed_rows, n) + _positive(levels - 1) * self.draft_at(n * policy.width, n)
         return drafting * (levels > 0)
 
     def model_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
         """The drafter steps plus one verification, each one forward over the rows of `concurrent` requests."""
         levels, rows = shape or full_shape(policy)
-        return self.draft_seconds_for(policy, seed_rows, concurrent, levels) + self.verify_at(concurrent * rows)
+        return self.draft_seconds_for(policy, seed_rows, concurrent, levels) + self.verify_at(concurrent * rows, concurrent)
 
     def round_seconds(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, shape: Shape | None = None) -> float:
         """Predicted seconds of a round of `policy` after one that committed `seed_rows`, `concurrent` requests stepping
@@ -144,6 +155,11 @@ class Costs:
         """A round's own bookkeeping beyond its levels and rows when `concurrent` requests step together
         (`by_concurrency` from a lone round's `overhead_per_round`)."""
         return by_concurrency(self.round_at_concurrency, concurrent, self.overhead_per_round)
+
+
+def curve(kind: str, calls: int) -> str:
+    """The name of `kind`'s curve for forwards of `calls` requests' calls: the kind itself for one."""
+    return kind if calls <= 1 else f"{kind} x{calls}"
 
 
 def by_concurrency(measured: dict[int, float], concurrent: int, alone: float = 0.0) -> float:

@@ -23,6 +23,22 @@ REPLAYED_ROUNDS = 256  # latest chosen rounds that scored a policy exactly, kept
 PREDICTION_ROUNDS = 8.0  # rounds the explored prediction counts as beside a policy's replayed rounds (TreeTuner.score)
 
 
+class Kept(deque):
+    """A policy's latest replayed rounds, (tokens, levels, rows) each, with their tokens' running sum."""
+
+    def __init__(self, rounds: tuple[tuple[float, int, int], ...] | list = (), maxlen: int = REPLAYED_ROUNDS):
+        super().__init__(maxlen=maxlen)
+        self.tokens = 0.0
+        for kept in rounds:
+            self.append(kept)
+
+    def append(self, kept: tuple[float, int, int]) -> None:
+        if len(self) == self.maxlen:
+            self.tokens -= self[0][0]
+        super().append(kept)
+        self.tokens += kept[0]
+
+
 @dataclass
 class Choice:
     """The policy chosen for one concurrency, with the tokens per round it is expected to commit."""
@@ -57,7 +73,7 @@ class TreeTuner:
     history: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest choices, for reports
     corrections: LevelCorrection = field(default_factory=LevelCorrection)  # chosen rounds against their predictions
     # policy -> (tokens, levels drafted, rows verified) it would have had on the latest chosen rounds that hold it
-    replayed: dict[TreePolicy, deque] = field(default_factory=dict)
+    replayed: dict[TreePolicy, Kept] = field(default_factory=dict)
     factors: list[float] | None = None  # [D] weight of an accepted node at each depth (LevelCorrection.factors)
     refreshes: int = 0  # exploring rounds run since the first exploration
     explorations: int = 0  # exploring rounds handed out so far: the first exploration, after drifts, refreshes
@@ -149,7 +165,7 @@ class TreeTuner:
         replay = Replay(record.draft_tree, dict(zip(record.row_nodes, record.row_probs.tolist())))
         for policy in under(record.policy):
             if replay.exact(policy):
-                kept = self.replayed.setdefault(policy, deque(maxlen=REPLAYED_ROUNDS))
+                kept = self.replayed.setdefault(policy, Kept())
                 kept.append((1.0 + replay.expected(policy), *replay.drafted(policy)))
 
     def _measure_round(self, record: RoundRecord, concurrent: int) -> bool:
@@ -286,7 +302,7 @@ class TreeTuner:
         replayed = self.replayed.get(policy)
         if not replayed:
             return predicted
-        return (sum(t for t, _, _ in replayed) + PREDICTION_ROUNDS * predicted) / (len(replayed) + PREDICTION_ROUNDS)
+        return (replayed.tokens + PREDICTION_ROUNDS * predicted) / (len(replayed) + PREDICTION_ROUNDS)
 
     def _grid_tokens(self) -> np.ndarray:
         """[len(grid())] `tokens` of every grid policy, at once."""

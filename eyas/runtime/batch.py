@@ -180,9 +180,9 @@ class Lockstep:
     MAX_SKIPS = 16
 
     def __init__(
-        self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float], None] | None = None, keep_forwards: bool = False
+        self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float, int], None] | None = None, keep_forwards: bool = False
     ):
-        """`observer(runner, rows, seconds)` hears of every batch that ran; `keep_forwards`: each operation keeps its
+        """`observer(runner, rows, seconds, calls)` hears of every batch that ran; `keep_forwards`: each operation keeps its
         batches (a worker's calls report them)."""
         self.max_rows = max_rows
         self.observer = observer
@@ -255,7 +255,7 @@ class Lockstep:
             for op in batch:
                 op.forwards.append((rows, seconds))
         if self.observer is not None and answers[0][2] is None:
-            self.observer(batch[0].forward.runner, rows, seconds)
+            self.observer(batch[0].forward.runner, rows, seconds, len(batch))
         self.seconds += seconds
         self._seconds[key] = seconds if key not in self._seconds else 0.8 * self._seconds[key] + 0.2 * seconds
         for op, result, error in answers:
