@@ -442,19 +442,20 @@ def test_bookkeeping_is_sloped_on_exploring_rounds_and_levelled_on_chosen_ones(e
     assert tuner.costs.overhead_per_round == pytest.approx(0.005)
 
 
-def test_requests_stepping_together_explore_only_as_many_rounds_as_one(engine):
-    """An exploration hands out `explore_rounds` exploring trees however many requests step together (they ask for
-    their next tree before the others' rounds are in), the rest draft the chosen tree; a round drafted with the
-    chosen tree that finishes after an exploration began is left out of it, and does not fail."""
+def test_an_exploration_after_the_first_waits_for_a_lone_request_and_hands_out_explore_rounds(engine):
+    """Once rounds are explored, exploring again (after a lone request's drift) is left to a lone request: requests
+    stepping together draft the chosen tree, since an exploring round costs every batch-mate its time. The
+    exploration then hands out `explore_rounds` exploring trees; a round drafted with the chosen tree that finishes
+    after an exploration began is left out of it, and does not fail."""
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=0)
     rounds = []
     generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
     chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
     kept = {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS}
-    tuner.exploring = tuner.explore_rounds  # what drift does
-    policies = [tuner.policy(8) for _ in range(8)]
-    assert policies[:3] == list(EXPLORATIONS)
-    assert all(p not in EXPLORATIONS for p in policies[3:]) and tuner.exploring == 0
+    tuner.exploring = tuner.explore_rounds  # what a lone request's drift does
+    assert all(tuner.policy(8) not in EXPLORATIONS for _ in range(8)) and tuner.exploring == 3
+    policies = [tuner.policy(1) for _ in range(4)]
+    assert policies[:3] == list(EXPLORATIONS) and policies[3] not in EXPLORATIONS and tuner.exploring == 0
     tuner.exploring = 1
     tuner.observe(chosen, 8)  # drafted before the exploration began
     assert {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS} == kept
@@ -552,15 +553,16 @@ def test_a_point_measured_under_load_is_priced_by_its_own_forwards():
     assert costs.draft_at(2) == pytest.approx(0.002 * costs.scales["draft"])
 
 
-def test_forwards_of_several_calls_scale_a_curve_of_their_own():
-    """Requests stepping together share a forward and pay for each call beyond their rows: forwards of 8 calls scale
-    the curve that prices rounds of 8, and leave the lone curve (and 4, not measured yet, on the lone curve) alone."""
+def test_forwards_of_several_calls_cost_an_extra_of_their_own():
+    """Requests stepping together share a forward and pay for each call beyond their rows: what forwards of 8 calls
+    took beyond the curve at their rows prices rounds of 8 (at any rows), and leaves the lone curve (and 4 calls,
+    not seen yet) as they were."""
     costs = Costs([1, 24, 65], [0.010, 0.012, 0.020], [1, 16], [0.001, 0.002])
     for _ in range(MIN_OBSERVED):
-        costs.observe("verify", 24, 0.024, calls=8)  # 8 requests of 3 rows: twice the lone 24-row forward
-        costs.observe("verify", 1, 0.010)
-    assert costs.verify_at(24, 8) == pytest.approx(0.024) and costs.verify_at(65, 8) == pytest.approx(0.040)
+        costs.observe("verify", 24, 0.024, calls=8)  # 8 requests of 3 rows: 12 ms beyond the lone 24-row forward
+    assert costs.verify_at(24, 8) == pytest.approx(0.024) and costs.verify_at(65, 8) == pytest.approx(0.032)
     assert costs.verify_at(24) == pytest.approx(0.012) and costs.verify_at(24, 4) == pytest.approx(0.012)
+    assert "verify" not in costs.scales  # forwards of several calls do not scale the lone curve
     assert costs.model_seconds(TreePolicy(1, 2, 2), 1.0, 8) == pytest.approx(2 * costs.draft_at(8) + 0.024)
 
 

@@ -65,19 +65,20 @@ class Costs:
     overhead_per_row: float = 0.0
     lockstep_per_level: dict[int, float] = field(default_factory=dict)  # concurrency -> extra seconds per drafting level
     round_at_concurrency: dict[int, float] = field(default_factory=dict)  # concurrency > 1 -> a round's own bookkeeping there
-    # curve -> recent observed / measured ratios; a curve is "verify" or "draft" for forwards of one call, else
-    # `curve(kind, calls)`: several requests' calls in one forward cost more than their rows alone (docs/autotree.md)
-    observed: dict[str, deque] = field(default_factory=dict)
-    observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (curve, measured point) -> ratios nearest it
-    point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (curve, point) -> median of its own ratios
-    scales: dict[str, float] = field(default_factory=dict)  # curve -> median of all its ratios
-    scaled: dict[str, list[float]] = field(default_factory=dict)  # curve -> the measured points, each scaled
-    # (curve, rows) -> seconds, until the next observed forward
+    observed: dict[str, deque] = field(default_factory=dict)  # "verify" / "draft" -> recent observed / measured ratios
+    observed_at: dict[tuple[str, int], deque] = field(default_factory=dict)  # (kind, measured point) -> ratios nearest it
+    point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
+    scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of all its ratios
+    scaled: dict[str, list[float]] = field(default_factory=dict)  # "verify" / "draft" -> its curve, each point scaled
+    # curve(kind, calls) -> recent seconds that forwards of several requests' calls took beyond the curve at their rows
+    beyond: dict[str, deque] = field(default_factory=dict)
+    calls_extra: dict[str, float] = field(default_factory=dict)  # curve(kind, calls) -> the median of its `beyond`
+    # (kind, rows) -> seconds, until the next observed forward
     _at: dict[tuple[str, float], float] = field(default_factory=dict, repr=False, compare=False)
 
     def verify_at(self, rows: float, calls: int = 1) -> float:
-        """Seconds of one target forward over `rows` rows of `calls` requests, as measured, scaled by what such
-        forwards took in rounds (by what forwards of one call took, until `calls` has its own)."""
+        """Seconds of one target forward over `rows` rows of `calls` requests: as measured, scaled by what forwards
+        took in rounds, plus what forwards of `calls` calls took beyond that."""
         return self._curve_at("verify", rows, calls)
 
     def draft_at(self, rows: float, calls: int = 1) -> float:
@@ -88,39 +89,47 @@ class Costs:
         return (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
 
     def _curve_at(self, kind: str, rows: float | np.ndarray, calls: int = 1) -> float | np.ndarray:
-        """`kind`'s scaled curve ("verify" or "draft") for forwards of `calls` calls at `rows`, a number (cached) or
-        an array."""
-        name = curve(kind, calls)
-        name = name if name in self.scaled else kind
-        key = None if isinstance(rows, np.ndarray) else (name, rows)
+        """`kind`'s scaled curve ("verify" or "draft") at `rows` (a number, cached, or an array), plus the extra of
+        forwards of `calls` calls."""
+        extra = self.calls_extra.get(curve(kind, calls), 0.0) if calls > 1 else 0.0
+        if isinstance(rows, np.ndarray):
+            return _positive(_interpolate(*self._scaled(kind), rows) + extra)
+        key = (kind, rows)
         if key not in self._at:
-            xs, ys = self._measured(kind)
-            value = _interpolate(xs, self.scaled.get(name, ys), rows)
-            if key is None:
-                return value
-            self._at[key] = value
-        return self._at[key]
+            self._at[key] = _interpolate(*self._scaled(kind), rows)
+        return _positive(self._at[key] + extra)
+
+    def _scaled(self, kind: str) -> tuple[list[int], list[float]]:
+        xs, ys = self._measured(kind)
+        return xs, self.scaled.get(kind, ys)
 
     def observe(self, kind: str, rows: int, seconds: float, calls: int = 1) -> None:
         """Fold in one forward of `kind` ("verify" or "draft") over `rows` rows of `calls` requests that took
-        `seconds`: its ratio to the measured curve scales the point nearest its rows and the whole curve, of forwards
-        of that many calls (medians; prefills past the curve left out)."""
+        `seconds`. A lone call's ratio to the measured curve scales the point nearest its rows and the whole curve;
+        several calls' time beyond the scaled curve is their number's extra (medians; prefills past the curve left
+        out)."""
         xs, ys = self._measured(kind)
         if not 0 < rows <= xs[-1]:
             return
+        if calls > 1:
+            name = curve(kind, calls)
+            beyond = self.beyond.setdefault(name, deque(maxlen=OBSERVED_FORWARDS))
+            beyond.append(seconds - self._curve_at(kind, rows))
+            if len(beyond) >= MIN_OBSERVED:
+                self.calls_extra[name] = statistics.median(beyond)
+            return
         self._at.clear()
-        name = curve(kind, calls)
         ratio = seconds / _interpolate(xs, ys, rows)
-        ratios = self.observed.setdefault(name, deque(maxlen=OBSERVED_FORWARDS))
+        ratios = self.observed.setdefault(kind, deque(maxlen=OBSERVED_FORWARDS))
         ratios.append(ratio)
         nearest = min(range(len(xs)), key=lambda i: abs(math.log(xs[i] / rows)))
-        own = self.observed_at.setdefault((name, nearest), deque(maxlen=OBSERVED_FORWARDS))
+        own = self.observed_at.setdefault((kind, nearest), deque(maxlen=OBSERVED_FORWARDS))
         own.append(ratio)
         if len(own) >= MIN_OBSERVED:
-            self.point_scales[name, nearest] = statistics.median(own)
+            self.point_scales[kind, nearest] = statistics.median(own)
         if len(ratios) >= MIN_OBSERVED:
-            overall = self.scales[name] = statistics.median(ratios)
-            self.scaled[name] = [y * self.point_scales.get((name, i), overall) for i, y in enumerate(ys)]
+            overall = self.scales[kind] = statistics.median(ratios)
+            self.scaled[kind] = [y * self.point_scales.get((kind, i), overall) for i, y in enumerate(ys)]
 
     def draft_seconds_for(self, policy: TreePolicy, seed_rows: float, concurrent: int = 1, levels: float | None = None) -> float:
         """The drafter's forwards for `levels` levels (default the depth) of `concurrent` requests: the seed rows, then
