@@ -180,10 +180,13 @@ class Lockstep:
     MAX_SKIPS = 16
 
     def __init__(
-        self, max_rows: int = MAX_BATCH_ROWS, observer: Callable[[Any, int, float, int], None] | None = None, keep_forwards: bool = False
+        self,
+        max_rows: int = MAX_BATCH_ROWS,
+        observer: Callable[[Any, int, float, int], None] | None = None,
+        keep_forwards: bool = False,
     ):
-        """`observer(runner, rows, seconds, calls)` hears of every batch that ran; `keep_forwards`: each operation keeps its
-        batches (a worker's calls report them)."""
+        """`observer(runner, rows, seconds, calls)` hears of every batch that ran; `keep_forwards`: each operation
+        keeps its batches (a worker's calls report them)."""
         self.max_rows = max_rows
         self.observer = observer
         self.keep_forwards = keep_forwards
