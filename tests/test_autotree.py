@@ -1,6 +1,8 @@
 """Hardware-aware trees: replaying a smaller policy on an exploration tree predicts what that policy accepts."""
 
+import copy
 import math
+import pickle
 from collections import deque
 from dataclasses import replace
 
@@ -566,9 +568,11 @@ def test_forwards_of_several_calls_cost_an_extra_of_their_own():
     assert costs.model_seconds(TreePolicy(1, 2, 2), 1.0, 8) == pytest.approx(2 * costs.draft_at(8) + 0.024)
 
 
-def test_kept_rounds_keep_their_tokens_sum_as_old_rounds_leave():
+def test_kept_rounds_keep_their_tokens_sum_as_old_rounds_leave_and_in_copies():
     kept = Kept([(float(i), 1, 2) for i in range(REPLAYED_ROUNDS + 10)])
     assert len(kept) == REPLAYED_ROUNDS and kept.tokens == pytest.approx(sum(t for t, _, _ in kept))
+    for copied in (copy.copy(kept), copy.deepcopy(kept), pickle.loads(pickle.dumps(kept))):
+        assert list(copied) == list(kept) and copied.maxlen == kept.maxlen and copied.tokens == pytest.approx(kept.tokens)
 
 
 def test_the_engine_feeds_its_forwards_to_tree_auto(engine):

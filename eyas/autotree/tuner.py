@@ -38,6 +38,9 @@ class Kept(deque):
         super().append(kept)
         self.tokens += kept[0]
 
+    def __reduce__(self) -> tuple:
+        return type(self), (list(self), self.maxlen)  # a copy appends its rounds once, summing them anew
+
 
 @dataclass
 class Choice:
