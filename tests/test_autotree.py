@@ -446,10 +446,11 @@ def test_bookkeeping_is_sloped_on_exploring_rounds_and_levelled_on_chosen_ones(e
 
 def test_an_exploration_after_the_first_waits_for_a_lone_request_and_hands_out_explore_rounds(engine):
     """Once rounds are explored, exploring again (after a lone request's drift) is left to a lone request: requests
-    stepping together draft the chosen tree, since an exploring round costs every batch-mate its time. The
-    exploration then hands out `explore_rounds` exploring trees; a round drafted with the chosen tree that finishes
-    after an exploration began is left out of it, and does not fail."""
-    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=0)
+    stepping together draft the chosen tree, since an exploring round costs every batch-mate its time (they explore
+    by `explore_every`, and take the exploration themselves only without it). The exploration then hands out
+    `explore_rounds` exploring trees; a round drafted with the chosen tree that finishes after an exploration began is
+    left out of it, and does not fail."""
+    tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=10**6)
     rounds = []
     generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)
     chosen = next(r for r in rounds if r.policy not in EXPLORATIONS)
@@ -458,6 +459,8 @@ def test_an_exploration_after_the_first_waits_for_a_lone_request_and_hands_out_e
     assert all(tuner.policy(8) not in EXPLORATIONS for _ in range(8)) and tuner.exploring == 3
     policies = [tuner.policy(1) for _ in range(4)]
     assert policies[:3] == list(EXPLORATIONS) and policies[3] not in EXPLORATIONS and tuner.exploring == 0
+    tuner.explore_every, tuner.exploring = 0, 1  # without refreshes, requests stepping together take it themselves
+    assert tuner.policy(8) in EXPLORATIONS and tuner.exploring == 0
     tuner.exploring = 1
     tuner.observe(chosen, 8)  # drafted before the exploration began
     assert {kind: len(tuner.rounds_of(kind)) for kind in EXPLORATIONS} == kept
