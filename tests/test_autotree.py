@@ -445,11 +445,13 @@ def test_bookkeeping_is_sloped_on_exploring_rounds_and_levelled_on_chosen_ones(e
 
 
 def test_an_exploration_after_the_first_waits_for_a_lone_request_and_hands_out_explore_rounds(engine):
-    """Once rounds are explored, exploring again (after a lone request's drift) is left to a lone request: requests
+    """After the first exploration, exploring again (after a lone request's drift) is left to a lone request: requests
     stepping together draft the chosen tree, since an exploring round costs every batch-mate its time (they explore
     by `explore_every`, and take the exploration themselves only without it). The exploration then hands out
     `explore_rounds` exploring trees; a round drafted with the chosen tree that finishes after an exploration began is
-    left out of it, and does not fail."""
+    left out of it, and does not fail. The first exploration goes to whoever asks."""
+    first = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=10**6)
+    assert [first.policy(1), first.policy(8), first.policy(8)] == list(EXPLORATIONS) and first.exploring == 0
     tuner = TreeTuner(Costs([1, 65], [0.010, 0.011], [1, 16], [0.001, 0.001]), explore_rounds=3, explore_every=10**6)
     rounds = []
     generate_auto(engine, tuner, max_new_tokens=30, on_round=rounds.append)

@@ -94,10 +94,11 @@ class TreeTuner:
 
     def policy(self, concurrent: int = 1) -> TreePolicy:
         """The next round's policy when `concurrent` requests step together: EXPLORATIONS in turn while exploring, then
-        the choice, with one exploring round in `explore_every` x `concurrent` rounds. Once some rounds are explored,
+        the choice, with one exploring round in `explore_every` x `concurrent` rounds. After the first exploration,
         a whole exploration is left to a lone request (an exploring round costs every batch-mate its time), while
         requests stepping together explore by `explore_every`."""
-        if self.exploring and (concurrent == 1 or not self.explore_every or not self._any_explored()):
+        first = self.explorations < self.explore_rounds  # the first exploration's rounds are still being handed out
+        if self.exploring and (concurrent == 1 or first or not self.explore_every):
             turn = self.explore_rounds - self.exploring
             self.exploring -= 1
             self.explorations += 1
