@@ -261,10 +261,10 @@ class Grown:
     end: int  # the session's written rows once it was grown
 
 
-def next_round_key(version: int, tokens: Sequence[int], policy: TreePolicy) -> tuple:
-    """`DraftSession.ahead`'s key of the next round's tree after the outcome `tokens` (accepted tokens, then the bonus)
-    of a round of `version`."""
-    return (version + 1, tuple(tokens[:-1]), tokens[-1], policy)
+def ahead_key(version: int, accepted: Sequence[int], bonus: int, policy: TreePolicy) -> tuple:
+    """`DraftSession.ahead`'s key of the `version` tree drafted for the outcome (`accepted` tokens, then `bonus`) of
+    the round before it."""
+    return (version, tuple(accepted), bonus, policy)
 
 
 class DraftSession:
@@ -421,7 +421,7 @@ class DraftSession:
         ahead, self.ahead = self.ahead, {}
         hit = None
         if self.last_reseed is not None and self.last_reseed[0] == version - 1:
-            hit = ahead.get((version, self.last_reseed[1][:-1], root_token, policy))
+            hit = ahead.get(ahead_key(version, self.last_reseed[1][:-1], root_token, policy))
         if hit is not None:  # its rows (and the path rows it sees) stay until the next reseed
             self.ahead_hits += hit.proposal.assumed is not None  # else the decided outcome's (`draft_decided`)
             self.written = hit.end
@@ -439,12 +439,12 @@ class DraftSession:
         the reseed the word will name (which it then finds applied) and the tree `propose_steps` would draft after it,
         which the next round finds among the trees ahead."""
         self.reseed(version, features, tokens)
-        self.ahead[next_round_key(version, tokens, policy)] = yield from self._draft_fresh(tokens[-1], policy)
+        self.ahead[ahead_key(version + 1, tokens[:-1], tokens[-1], policy)] = yield from self._draft_fresh(tokens[-1], policy)
 
     def has_ahead(self, version: int, tokens: tuple[int, ...], policy: TreePolicy) -> bool:
         """Whether a tree for the next round after the outcome `tokens` (accepted tokens, then the bonus) of `version`
         is ready."""
-        return next_round_key(version, tokens, policy) in self.ahead
+        return ahead_key(version + 1, tokens[:-1], tokens[-1], policy) in self.ahead
 
     def _draft_fresh(self, root_token: int, policy: TreePolicy) -> Steps["Grown"]:
         """Run the verified rows queued since the last round, then grow a tree from the new root's state."""
@@ -543,7 +543,7 @@ class DraftSession:
                 for path, (_, _, b), built in zip(paths[first:last], outcomes[first:last], built_trees):
                     if built is not None:  # None: stopped, another outcome was decided
                         built.proposal.assumed = (path, b)
-                        self.ahead[(version, path, b, policy)] = built
+                        self.ahead[ahead_key(version, path, b, policy)] = built
                         self.ahead_built += 1
                 if self._decided is not None:
                     return
