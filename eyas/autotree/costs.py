@@ -70,9 +70,9 @@ class Costs:
     point_scales: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, point) -> median of its own ratios
     scales: dict[str, float] = field(default_factory=dict)  # "verify" / "draft" -> median of all its ratios
     scaled: dict[str, list[float]] = field(default_factory=dict)  # "verify" / "draft" -> its curve, each point scaled
-    # curve(kind, calls) -> recent seconds that forwards of several requests' calls took beyond the curve at their rows
-    beyond: dict[str, deque] = field(default_factory=dict)
-    calls_extra: dict[str, float] = field(default_factory=dict)  # curve(kind, calls) -> the median of its `beyond`
+    # (kind, calls > 1) -> recent seconds that forwards of that many requests' calls took beyond the curve at their rows
+    beyond: dict[tuple[str, int], deque] = field(default_factory=dict)
+    calls_extra: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, calls) -> the median of its `beyond`
     # (kind, rows) -> seconds, until the next observed forward
     _at: dict[tuple[str, float], float] = field(default_factory=dict, repr=False, compare=False)
 
@@ -86,12 +86,13 @@ class Costs:
         return self._curve_at("draft", rows, calls)
 
     def _measured(self, kind: str) -> tuple[list[int], list[float]]:
+        """`kind`'s measured curve: rows, seconds."""
         return (self.verify_rows, self.verify_seconds) if kind == "verify" else (self.draft_rows, self.draft_seconds)
 
     def _curve_at(self, kind: str, rows: float | np.ndarray, calls: int = 1) -> float | np.ndarray:
         """`kind`'s scaled curve ("verify" or "draft") at `rows` (a number, cached, or an array), plus the extra of
         forwards of `calls` calls."""
-        extra = self.calls_extra.get(curve(kind, calls), 0.0) if calls > 1 else 0.0
+        extra = self.calls_extra.get((kind, calls), 0.0)
         if isinstance(rows, np.ndarray):
             return _positive(_interpolate(*self._scaled(kind), rows) + extra)
         key = (kind, rows)
@@ -100,6 +101,7 @@ class Costs:
         return _positive(self._at[key] + extra)
 
     def _scaled(self, kind: str) -> tuple[list[int], list[float]]:
+        """`kind`'s curve as forwards in rounds scaled it: rows, seconds."""
         xs, ys = self._measured(kind)
         return xs, self.scaled.get(kind, ys)
 
@@ -112,11 +114,10 @@ class Costs:
         if not 0 < rows <= xs[-1]:
             return
         if calls > 1:
-            name = curve(kind, calls)
-            beyond = self.beyond.setdefault(name, deque(maxlen=OBSERVED_FORWARDS))
+            beyond = self.beyond.setdefault((kind, calls), deque(maxlen=OBSERVED_FORWARDS))
             beyond.append(seconds - self._curve_at(kind, rows))
             if len(beyond) >= MIN_OBSERVED:
-                self.calls_extra[name] = statistics.median(beyond)
+                self.calls_extra[kind, calls] = statistics.median(beyond)
             return
         self._at.clear()
         ratio = seconds / _interpolate(xs, ys, rows)
@@ -164,11 +165,6 @@ class Costs:
         """A round's own bookkeeping beyond its levels and rows when `concurrent` requests step together
         (`by_concurrency` from a lone round's `overhead_per_round`)."""
         return by_concurrency(self.round_at_concurrency, concurrent, self.overhead_per_round)
-
-
-def curve(kind: str, calls: int) -> str:
-    """The name of `kind`'s curve for forwards of `calls` requests' calls: the kind itself for one."""
-    return kind if calls <= 1 else f"{kind} x{calls}"
 
 
 def by_concurrency(measured: dict[int, float], concurrent: int, alone: float = 0.0) -> float:
