@@ -75,7 +75,6 @@ def test_a_forward_runs_torchscript_unoptimized_on_its_thread_and_leaves_the_set
     assert seen and not any(seen) and after == [True]
 
 
-
 FREED = """
 import ctypes, resource, sys, threading, torch
 from eyas import wire
