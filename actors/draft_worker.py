@@ -1,15 +1,17 @@
 """The draft worker: drafter weights (plus only the target's embedding and LM head) and draft KV per request.
 
 Serves Start (seed a session from a prefill), Round (apply the coordinator's word on the last round, draft the next
-EAGLE-2 tree, send it on to the request's target worker and answer with its verification) and Reseed. Sessions are
-`eyas.proposer.DraftSession`s: the worker adds receipt checks in front of them so that a rejected message changes no
-state.
+EAGLE-2 tree, send it on to the request's target worker and answer with its verification) and Reseed. A Round that
+promises the next one (`next_round_id`) has that round's tree sent to the target as soon as its own verification is
+relayed, and the next Round relays the answer (docs/wire.md, "Rounds"). Sessions are `eyas.proposer.DraftSession`s:
+the worker adds receipt checks in front of them so that a rejected message changes no state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,7 +30,8 @@ from eyas.errors import VersionError
 from eyas.manifest import fingerprint_target
 from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
 from eyas.runtime.device import resolve_draft_dtype, resolve_dtype, stored_dtype
-from eyas.proposer import DraftModel, DraftSession
+from eyas.proposer import DraftModel, DraftSession, ahead_key
+from eyas.rounds import Proposal
 from eyas.runtime.batch import Operation
 from eyas.steps import Steps
 from eyas.rpc import call_metadata, field_of
@@ -50,18 +53,86 @@ def target_field(field: str) -> str:
     return f"target.{field}" if field else "target"
 
 
+def check_promised(msg: pb.RoundRequest, promise: pb.RoundRequest) -> None:
+    """A Round whose tree was sent ahead must ask for that tree: a Round that differs names the field it differs in."""
+    if not msg.HasField("publish"):
+        raise ServiceError(PRECONDITION, "publish", "is missing: the tree sent ahead carries the commit the word names")
+    ask, asked = msg.draft, promise.draft
+    for field, got, want in (
+        ("round_id", msg.round_id, promise.round_id),
+        ("draft.ref", ask.ref, asked.ref),
+        ("draft.root_token", ask.root_token, asked.root_token),
+        ("draft.policy", ask.policy, asked.policy),
+        ("draft.with_records", ask.with_records, asked.with_records),
+        ("sampling", msg.sampling, promise.sampling),
+        ("target", msg.target, promise.target),
+        ("with_features", msg.with_features, promise.with_features),
+    ):
+        if got != want:
+            raise ServiceError(PRECONDITION, field, "differs from the Round the last one promised, whose tree went to the target")
+
+
 @dataclass
 class Drafted:
-    """A Round's tree, drafted and on its way to the target: the bytes sent, and what the reply will carry."""
+    """A Round's tree, drafted and on its way to the target: the Round (as served, or as promised by the Round before
+    it), the bytes sent, and what the reply will carry."""
 
-    ref: tpb.RequestRef
-    target: str
+    request: pb.RoundRequest
     tree: FlattenedTree
     verify_request: bytes
     proposal: pb.Proposal
-    with_features: bool  # the reply's verification keeps its accepted rows' features
     policy: TreePolicy
-    next: Future | None  # with `draft_next`: settles once the request's next call may run (`draft_next`)
+    next: Future | None = None  # with `draft_next`: settles once the request's next call may run (`draft_next`)
+    answer: asyncio.Future | None = None  # sent ahead of its Round: the target's CallResult, or the StreamEnded
+    sent_at: float | None = None  # sent ahead: when it left (`time.perf_counter`)
+    lead: float = 0.0  # sent ahead: seconds it had been on its way when its Round arrived
+
+    @property
+    def ref(self) -> tpb.RequestRef:
+        return self.request.draft.ref
+
+    @property
+    def target(self) -> str:
+        return self.request.target
+
+
+class Outbox:
+    """The next round's trees of one relayed batch: sent to their target as one batch once each call has drafted its
+    own or given up, so that they share the target's forwards as the batch before them did. Once they are on their
+    way, their sessions' drafting ahead starts (it would hold this process's GIL while they are sent) and then the
+    requests' next calls may run (so that a call after the next Round finds the drafting ahead to wait for)."""
+
+    def __init__(self, worker: "DraftWorker", address: str, count: int):
+        self.worker, self.address, self.left = worker, address, count
+        self.loop = asyncio.get_running_loop()
+        self.trees: list[Drafted] = []
+        self.sessions: list[DraftSession] = []  # the trees' sessions
+        self.thens: list[Future] = []
+
+    def add(self, session: DraftSession, drafted: Drafted | None, then: Future) -> None:
+        """One call's tree (None: it sends none), and what settles once it is sent. Safe from any thread."""
+        self.loop.call_soon_threadsafe(self._add, session, drafted, then)
+
+    def _add(self, session: DraftSession, drafted: Drafted | None, then: Future) -> None:
+        if drafted is not None and self.worker.sessions.get(drafted.ref.request_id) is session:
+            drafted.answer = self.loop.create_future()
+            self.worker.sent[drafted.ref.request_id] = drafted
+            self.trees.append(drafted)
+            self.sessions.append(session)
+        self.thens.append(then)
+        self.left -= 1
+        if self.left:
+            return
+        if self.trees:
+            self.loop.create_task(self.worker.send_ahead(self.address, self.trees, self.sent))
+        else:
+            self.sent()
+
+    def sent(self) -> None:
+        for session in self.sessions:
+            session.start_ahead()
+        for then in self.thens:
+            then.set_result(None)
 
 
 @dataclass(frozen=True)
@@ -73,6 +144,27 @@ class Relayed:
     accepted_rows: tuple[int, ...]
     tokens: tuple[int, ...]  # the accepted tokens, then the frontier token
     features: torch.Tensor  # [len(accepted_rows), F]
+
+
+def promise_after(drafted: Drafted, relayed: Relayed) -> tuple[pb.RoundRequest, pb.Commit]:
+    """The Round that `drafted`'s Round promised (`next_round_id`), after the outcome `relayed`, and the commit its
+    word must name."""
+    asked = drafted.request
+    ref = wire.ref(drafted.ref.request_id, relayed.version + 1, drafted.ref.manifest_id)
+    ask = pb.DraftRequest(ref=ref, root_token=relayed.tokens[-1], policy=asked.draft.policy, with_records=asked.draft.with_records)
+    promise = pb.RoundRequest(
+        draft=ask, sampling=asked.sampling, round_id=asked.next_round_id, target=asked.target, with_features=asked.with_features
+    )
+    return promise, pb.Commit(ref=drafted.ref, accepted_rows=relayed.accepted_rows, round_id=relayed.round_id)
+
+
+def encoded(msg: pb.RoundRequest, proposal: Proposal, policy: TreePolicy, commit: pb.Commit | None) -> Drafted:
+    """The Round's proposed tree, as the Verify that sends it to the target with `commit`."""
+    ask = msg.draft
+    verify = pb.VerifyRequest(
+        ref=ask.ref, tree=wire.proposed_tree_to_proto(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
+    )
+    return Drafted(msg, proposal.tree, verify.SerializeToString(), wire.proposal_to_proto(proposal, ask.ref, ask.with_records), policy)
 
 
 class DraftWorker(Worker):
@@ -89,9 +181,11 @@ class DraftWorker(Worker):
         self._streams: dict[str, BatchStream] = {}  # target address -> the stream its Verify batches go on
         self._credential = call_metadata(spec.token)
         self._next: dict[str, Future] = {}  # request id -> its last Round's `Drafted.next`, until `followup` takes it
+        self.sent: dict[str, Drafted] = {}  # request id -> its next round's tree, sent to the target before the Round
 
     def forget(self, request_id: str) -> None:
         self.relayed.pop(request_id, None)
+        self.sent.pop(request_id, None)
 
     def load(self) -> None:
         spec = self.spec
@@ -145,26 +239,37 @@ class DraftWorker(Worker):
         session = self.sessions.get(request_id)
         return None if session is None else session.ahead_job
 
-    def draft_next(self, drafted: Drafted, relayed: Relayed | None) -> None:
-        """Once the session's drafting ahead has ended: when the round's verification (`relayed`) decided an outcome no
-        tree was drafted ahead for, draft that outcome's tree now (`DraftSession.draft_decided`), so that the next
-        Round finds it rather than drafting after the coordinator's word; then settle `drafted.next`. A draft that
-        fails changes nothing the next Round does not redo (and the Round reports the failure)."""
+    def draft_next(self, drafted: Drafted, relayed: Relayed | None, outbox: Outbox) -> None:
+        """Once the session's drafting ahead has ended, the tree of the outcome the round's verification (`relayed`)
+        decided. With the next Round promised (`next_round_id`): that Round's tree (`promised`), sent to the target
+        with the outbox. Else, when no tree was drafted ahead for the outcome, that tree drafted now
+        (`DraftSession.draft_decided`), so that the next Round finds it rather than drafting after the coordinator's
+        word. Then `drafted.next` settles. A draft that fails changes nothing the next Round does not redo (and the
+        Round reports the failure)."""
         then, request_id = drafted.next, drafted.ref.request_id
         session = self.sessions.get(request_id)
+        ahead = bool(drafted.request.next_round_id)
+
+        def settle(done: "Future[Operation] | None" = None) -> None:
+            if ahead:
+                outbox.add(session, None if done is None else done.result().result, then)
+            else:
+                then.set_result(None)
 
         def start(_=None) -> None:
-            try:
-                gone = self.sessions.get(request_id) is not session
-                if relayed is None or gone or session.has_ahead(relayed.version, relayed.tokens, drafted.policy):
-                    then.set_result(None)
-                    return
+            gone = self.sessions.get(request_id) is not session
+            if relayed is None or gone or not ahead and session.has_ahead(relayed.version, relayed.tokens, drafted.policy):
+                return settle()
+            if ahead:
+                steps = self.promised(session, drafted, relayed)
+            else:
                 steps = session.draft_decided(relayed.version, relayed.features, list(relayed.tokens), drafted.policy)
-                self.scheduler.submit(steps).add_done_callback(lambda _: then.set_result(None))
+            try:
+                submitted = self.scheduler.submit(steps)
             except BaseException:  # the request's next call must not wait for ever
-                if not then.done():
-                    then.set_result(None)
+                settle()
                 raise
+            submitted.add_done_callback(settle)
 
         if then is None:
             return
@@ -173,11 +278,17 @@ class DraftWorker(Worker):
         else:
             session.ahead_job.add_done_callback(start)
 
-    def interrupt(self, request_id: str) -> None:
-        """The request's next call means its round was decided: its drafting ahead stops at the next drafter step."""
+    def interrupt(self, request_id: str, method: str) -> None:
+        """The request's next call means its round was decided: its drafting ahead stops at the next drafter step
+        (unless the call is the Round whose tree was sent ahead: that drafting guesses at the tree's verification,
+        still to come)."""
         session = self.sessions.get(request_id)
-        if session is not None:
+        if session is not None and not (method == "Round" and request_id in self.sent):
             session.interrupt_ahead()
+
+    def close_session(self, session: DraftSession) -> None:
+        """On the compute thread, which a drafting ahead in flight needs to stop: the slot returns once it has."""
+        session.close(wait=False)
 
     def endpoints(self) -> dict:
         return {"Start": (pb.DraftStart, self.start_session), "Round": (pb.RoundRequest, self.round), "Reseed": (pb.Reseed, self.reseed)}
@@ -235,23 +346,63 @@ class DraftWorker(Worker):
             expected = msg.publish.ref.version + 1
         if ask.ref.version != expected:
             raise VersionError("draft cache", expected, ask.ref.version)
+        sent = self.sent.get(ask.ref.request_id)
+        if sent is not None:
+            check_promised(msg, sent.request)
         clock.lap("decode")
-        if reseed is not None:
-            session.reseed(*reseed)
-        proposal = yield from session.propose_steps(ask.ref.version, root, policy)
+        if sent is not None:  # its reseed applied, its tree went to the target once the last outcome was relayed
+            drafted = self.sent.pop(ask.ref.request_id)
+            drafted.request = msg
+            drafted.lead = max(0.0, clock.started - drafted.sent_at) if drafted.sent_at is not None else 0.0
+        else:
+            if reseed is not None:
+                session.reseed(*reseed)
+            drafted = yield from self._draft(session, msg, policy, commit, clock)
+        if msg.draft_next:
+            drafted.next = self._next[ask.ref.request_id] = Future()
+        return drafted
+
+    def _draft(
+        self, session: DraftSession, msg: pb.RoundRequest, policy: TreePolicy, commit: pb.Commit | None, clock: Clock, start_ahead: bool = True
+    ) -> Steps[Drafted]:
+        """The Round's tree, and the Verify that sends it to the target with `commit`."""
+        proposal = yield from session.propose_steps(msg.draft.ref.version, msg.draft.root_token, policy, start_ahead)
         clock.lap("compute")
-        verify = pb.VerifyRequest(
-            ref=ask.ref, tree=wire.proposed_tree_to_proto(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
-        )
-        proposed = wire.proposal_to_proto(proposal, ask.ref, ask.with_records)
-        drafted = Drafted(
-            ask.ref, msg.target, proposal.tree, verify.SerializeToString(), proposed, msg.with_features, policy,
-            Future() if msg.draft_next else None,
-        )
-        if drafted.next is not None:
-            self._next[ask.ref.request_id] = drafted.next
+        drafted = encoded(msg, proposal, policy, commit)
         clock.lap("encode")
         return drafted
+
+    def promised(self, session: DraftSession, drafted: Drafted, relayed: Relayed) -> Steps[Drafted | None]:
+        """The Round `drafted`'s Round promised, drafted as `round` would draft it once the word on `relayed` came:
+        the reseed that word must name (`_published` refuses any other), then the tree, with the commit it names.
+        None when the tree already went, as the verification was relayed (`send_decided`)."""
+        promise, commit = promise_after(drafted, relayed)
+        session.reseed(relayed.version, relayed.features, list(relayed.tokens))
+        sent = self.sent.get(drafted.ref.request_id)
+        if sent is None or sent.ref != promise.draft.ref:
+            return (yield from self._draft(session, promise, drafted.policy, commit, Clock(), start_ahead=False))
+        proposal = yield from session.propose_steps(sent.ref.version, promise.draft.root_token, drafted.policy)
+        if proposal.tree is not sent.tree:
+            raise RuntimeError(f"request {sent.ref.request_id!r}: the tree sent for version {sent.ref.version} is not the one proposed")
+        return None
+
+    async def send_decided(self, drafted: Drafted, relayed: Relayed) -> None:
+        """As a lone Round's verification is relayed: when that Round promised the next and the decided outcome's tree
+        was drafted ahead, send it to the target now, from this event loop, before the reply (the reseed and the
+        tree's bookkeeping follow in `promised`). A batch's trees go together instead (`Outbox`)."""
+        session = self.sessions.get(drafted.ref.request_id)
+        if session is None or drafted.next is None or not drafted.request.next_round_id:
+            return
+        grown = session.ahead.get(ahead_key(relayed.version + 1, relayed.tokens[:-1], relayed.tokens[-1], drafted.policy))
+        if grown is None:
+            return
+        promise, commit = promise_after(drafted, relayed)
+        sent = encoded(promise, grown.proposal, drafted.policy, commit)
+        loop = asyncio.get_running_loop()
+        sent.answer, written = loop.create_future(), loop.create_future()
+        self.sent[drafted.ref.request_id] = sent
+        sending = asyncio.ensure_future(self.send_ahead(drafted.target, [sent], lambda: written.set_result(None)))
+        await asyncio.wait([written, sending], return_when=asyncio.FIRST_COMPLETED)
 
     def _published(self, ref: tpb.RequestRef, word: pb.Publish, root: int) -> tuple[tuple, pb.Commit]:
         """The reseed and the target's commit that the coordinator's word names: the accepted rows, tokens and features
@@ -314,26 +465,26 @@ class DraftWorker(Worker):
         decided: dict[int, Relayed] = {}  # call index -> the verification relayed for it
         try:
             await self._relay_to(address, calls, decided)
-        finally:  # the next tree waits for the reply to leave: drafting it would hold this process's GIL meanwhile
+        finally:  # the next tree waits for the reply to leave (drafting it would hold this process's GIL meanwhile),
+            # unless it is on its way already (`send_decided`): then the drafting ahead beside it starts at once
+            outbox = Outbox(self, address, sum(d.next is not None and bool(d.request.next_round_id) for d in drafted))
             for i, (call, round_drafted) in enumerate(zip(calls, drafted)):
-                call.then = partial(self.draft_next, round_drafted, decided.get(i))
+                then = partial(self.draft_next, round_drafted, decided.get(i), outbox)
+                sent = self.sent.get(round_drafted.ref.request_id)
+                if i in decided and sent is not None and sent.ref.version == decided[i].version + 1:
+                    then()
+                else:
+                    call.then = then
 
     async def _relay_to(self, address: str, calls: list[Served], decided: dict[int, "Relayed"]) -> None:
-        batch = pb.CallBatch(method="Verify", calls=[call.reply.verify_request for call in calls])
-        if address not in self._streams:
-            self._streams[address] = BatchStream(address, pb.DESCRIPTOR.services_by_name["TargetWorker"].full_name, self._credential)
-        try:
-            results = (await self._streams[address].call(batch, self.spec.rpc_timeout_s)).results
-        except StreamEnded as ended:
-            for call in calls:
-                call.fail(ServiceError(ended.code, target_field(ended.field), f"the target worker at {address}: {ended.details}"))
-            return
-        if len(results) != len(calls):
-            for call in calls:
-                call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target.results", f"{len(results)} results for {len(calls)} calls from {address}"))
-            return
-        for i, (call, result) in enumerate(zip(calls, results)):
+        fresh = [call.reply for call in calls if call.reply.answer is None]
+        answers = dict(zip(map(id, fresh), await self.verify_at(address, fresh))) if fresh else {}
+        for i, call in enumerate(calls):
+            result = answers[id(call.reply)] if call.reply.answer is None else await call.reply.answer
             call.clock.skip()  # the wait on the target: its own phases come back in the reply
+            if isinstance(result, StreamEnded):
+                call.fail(ServiceError(result.code, target_field(result.field), f"the target worker at {address}: {result.details}"))
+                continue
             if result.code:
                 call.fail(ServiceError(STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN), target_field(result.field), result.details))
                 continue
@@ -348,11 +499,46 @@ class DraftWorker(Worker):
             session = self.sessions.get(drafted.ref.request_id)
             if session is not None:  # drafting ahead stops guessing: this is the outcome the next round builds on
                 session.decide_ahead(relayed.tokens[:-1], relayed.tokens[-1])
+            if len(calls) == 1:
+                await self.send_decided(drafted, relayed)
             call.clock.lap("decode")
             call.reply = pb.RoundReply(
                 ref=drafted.ref, proposal=drafted.proposal, verify_request=drafted.verify_request, verification=answer,
-                target_seconds=result.seconds, target_forwards=result.forwards,
+                target_seconds=result.seconds, target_forwards=result.forwards, sent_ahead_s=drafted.lead,
             )
+
+    async def verify_at(
+        self, address: str, trees: list[Drafted], written: Callable[[], None] | None = None
+    ) -> list[pb.CallResult | StreamEnded]:
+        """The target's answer to each tree, sent as one Verify batch (`written` runs once it is on its way): its
+        CallResult, or the StreamEnded that lost it."""
+        if address not in self._streams:
+            self._streams[address] = BatchStream(address, pb.DESCRIPTOR.services_by_name["TargetWorker"].full_name, self._credential)
+        batch = pb.CallBatch(method="Verify", calls=[drafted.verify_request for drafted in trees])
+        try:
+            results = (await self._streams[address].call(batch, self.spec.rpc_timeout_s, written)).results
+        except StreamEnded as ended:
+            return [ended] * len(trees)
+        if len(results) != len(trees):
+            return [StreamEnded(grpc.StatusCode.INTERNAL, "results", f"{len(results)} results for {len(trees)} calls")] * len(trees)
+        return list(results)
+
+    async def send_ahead(self, address: str, trees: list[Drafted], then: Callable[[], None]) -> None:
+        """Send trees ahead of their Rounds (`then` runs once they are on their way, or lost); each Round relays its
+        answer."""
+        sent_at = []
+
+        def written() -> None:
+            sent_at.append(time.perf_counter())
+            for drafted in trees:
+                drafted.sent_at = sent_at[0]
+            then()
+
+        answers = await self.verify_at(address, trees, written)
+        if not sent_at:
+            then()
+        for drafted, answer in zip(trees, answers):
+            drafted.answer.set_result(answer)
 
     def _receive(self, drafted: Drafted, data: bytes) -> tuple[Relayed, bytes]:
         """A target's verification of `drafted`, checked against its tree: what the coordinator's word may publish, and
@@ -366,7 +552,7 @@ class DraftWorker(Worker):
         decision = verification.decision
         tokens = (*decision.accepted_tokens, decision.frontier_token)
         relayed = Relayed(msg.round_id, drafted.ref.version, tuple(decision.accepted_rows), tokens, verification.features)
-        if drafted.with_features:
+        if drafted.request.with_features:
             return relayed, data
         msg.decision.ClearField("accepted_features")
         return relayed, msg.SerializeToString()

@@ -99,8 +99,14 @@ class CallTiming:
         self.compute += server["compute"]
         self.rpc += wire - sum(server.values())
 
-    def charge_target(self, server: dict[str, float]) -> None:
-        """Move the phases of the target behind a Round out of its transport (`charge` counted the whole wait)."""
+    def charge_target(self, server: dict[str, float], before: float = 0.0) -> None:
+        """Move the phases of the target behind a Round out of its transport (`charge` counted the whole wait); the
+        first `before` seconds of them ran before the Round was sent (its tree went ahead), outside its wait."""
+        server = dict(server)
+        for phase in ("decode", "queue", "batch", "compute", "encode"):  # the order they ran in
+            taken = min(before, server[phase])
+            server[phase] -= taken
+            before -= taken
         self.serialize += server["decode"] + server["encode"]
         self.queue += server["queue"]
         self.batch += server["batch"]
@@ -375,9 +381,11 @@ class RemoteRequest:
         feature_width: int,
         request: RequestState,
         with_features: bool = False,
+        send_ahead: bool = False,
     ):
         """`request`: its sampling options and how many tokens it may still take; `with_features`: each round's
-        verification comes back with its accepted rows' features (for a trace)."""
+        verification comes back with its accepted rows' features (for a trace); `send_ahead`: every round drafts with
+        the same policy, so a Round may promise the next one (`RoundRequest.next_round_id`)."""
         self.draft, self.target = draft, target
         self.request_id, self.manifest_id = request_id, manifest_id
         self.timing = timing
@@ -385,6 +393,8 @@ class RemoteRequest:
         self.request = request
         self.params, self.sampling = request.sampling, wire.sampling_to_proto(request.sampling)
         self.with_features = with_features
+        self.send_ahead = send_ahead
+        self._next_round_id = ""  # promised by the last Round: the next one's tree is on its way to the target
         self._prefilled: list[int] = []  # the tokens the target prefills at the start
         self._accepted_rows: tuple[int, ...] = ()  # the target's side of the publish, until the draft's completes it
         self._publish: pb.Publish | None = None  # the word the next Round carries
@@ -394,6 +404,7 @@ class RemoteRequest:
         self.draft_forwards: list[tuple[int, float]] = []  # the last round's forwards on each worker (rows, seconds)
         self.target_forwards: list[tuple[int, float]] = []
         self.off_worker = 0.0  # the last Round's seconds outside the workers' compute (`CallTiming.off_worker`)
+        self.sent_ahead_s = 0.0  # the last Round's tree had been on its way this long when the Round arrived
 
     def ref(self, version: int) -> tpb.RequestRef:
         return wire.ref(self.request_id, version, self.manifest_id)
@@ -429,10 +440,11 @@ class RemoteRequest:
     def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
         """The Round call as an operation of the round: it yields the call, which its driver sends (the forwards run
         on the workers), and returns the proposal; its verification waits for `verify_steps`."""
-        round_id = secrets.token_hex(16)
+        round_id = self._next_round_id or secrets.token_hex(16)
         word = self._publish
         # a round commits at most depth + 1 tokens: with more left, the next round follows unless a stop ends it
         goes_on = self.request.stop.max_new_tokens - len(self.request.output) > policy.depth + 1
+        next_round_id = self._next_round_id = secrets.token_hex(16) if goes_on and self.send_ahead else ""
 
         def build() -> pb.RoundRequest:
             ask = pb.DraftRequest(
@@ -440,7 +452,7 @@ class RemoteRequest:
             )
             return pb.RoundRequest(
                 draft=ask, publish=word, sampling=self.sampling, round_id=round_id, target=self.target.address,
-                with_features=self.with_features, draft_next=goes_on,
+                with_features=self.with_features, draft_next=goes_on, next_round_id=next_round_id,
             )
 
         def parse(reply: pb.RoundReply) -> Proposal:
@@ -462,7 +474,10 @@ class RemoteRequest:
                 raise wire.WireError("verification.round_id", "the verification names another round than the call")
             verification = wire.verification_from_proto(answer, self.feature_width, self.with_features)
             wire.validate_verification(verification, tree, self.vocab_size)
-            self.timing.charge_target(check_phases(reply.target_seconds, "target_seconds"))
+            if not 0 <= reply.sent_ahead_s < float("inf"):
+                raise wire.WireError("sent_ahead_s", f"{reply.sent_ahead_s} is not a nonnegative number of seconds")
+            self.timing.charge_target(check_phases(reply.target_seconds, "target_seconds"), reply.sent_ahead_s)
+            self.sent_ahead_s = reply.sent_ahead_s
             self.target_forwards = check_forwards(reply.target_forwards, "target_forwards")
             self._verified = (tree, verification)
             self.exchange = (reply.verify_request, reply.verification)

@@ -181,7 +181,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self._last = time.perf_counter()
+        self.started = self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         """Charge the time since the previous lap to `phase`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import grpc
 
@@ -43,15 +44,18 @@ class BatchStream:
         self._ids = itertools.count(1)
         self._writing: asyncio.Lock | None = None  # one write in flight at a time, as gRPC requires
 
-    async def call(self, batch: pb.CallBatch, timeout: float) -> pb.CallBatchReply:
+    async def call(self, batch: pb.CallBatch, timeout: float, written: Callable[[], None] | None = None) -> pb.CallBatchReply:
         """Send `batch` (its id set here) and return its reply; `StreamEnded` when the stream ends first, and
-        DEADLINE_EXCEEDED after `timeout` seconds (the worker may still answer; the answer is dropped)."""
+        DEADLINE_EXCEEDED after `timeout` seconds (the worker may still answer; the answer is dropped). `written` runs
+        once the batch is on its way."""
         stream = self._call or self._open()
         batch.id = next(self._ids)
         answer = self._waiting[batch.id] = asyncio.get_running_loop().create_future()
         try:
             async with self._writing:
                 await stream.write(batch.SerializeToString())
+            if written is not None:
+                written()
             return await asyncio.wait_for(answer, timeout)
         except asyncio.TimeoutError:
             raise StreamEnded(grpc.StatusCode.DEADLINE_EXCEEDED, "", f"no reply from {self.address} within {timeout:g}s") from None

@@ -185,9 +185,13 @@ class Worker:
         for it), or None."""
         return None
 
-    def interrupt(self, request_id: str) -> None:
-        """A call for `request_id` has arrived: cut short the follow-up work its previous call left running (on the
-        event loop, before the call waits for that work)."""
+    def interrupt(self, request_id: str, method: str) -> None:
+        """A call of `method` for `request_id` has arrived: cut short the follow-up work its previous call left running
+        (on the event loop, before the call waits for that work)."""
+
+    def close_session(self, session) -> None:
+        """Free a released session's caches (on the compute thread)."""
+        session.close()
 
     async def gather(self, method: str, calls: list[tuple[Message, Served]]) -> None:
         """Fetch what decoded calls of `method` need from another worker before they run (on the event loop): a draft
@@ -366,7 +370,7 @@ class Worker:
         turns = []  # per admitted call: the call it waits for, and its own end
         for _, key, _ in admitted:
             if key:
-                self.interrupt(key)
+                self.interrupt(key, method)
             turns.append((self._tails.get(key), loop.create_future()))
             self._tails[key] = turns[-1][1]
 
@@ -452,7 +456,7 @@ class Worker:
         freed = self.session_kv_bytes(session)
         del self.sessions[msg.ref.request_id]
         self.forget(msg.ref.request_id)
-        session.close()
+        self.close_session(session)
         clock.lap("compute")
         return pb.Released(ref=msg.ref, freed_kv_bytes=freed)
 

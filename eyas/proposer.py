@@ -3,6 +3,7 @@ pool"; "Drafting ahead"). A committed draft row t holds (feature f_t, advanced t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -290,15 +291,28 @@ class DraftSession:
         self._ahead_job: Future | None = None
         self._ahead_stop = False  # set once the next round has come: drafting ahead stops
         self._decided: tuple[tuple[int, ...], int] | None = None  # the outcome it guessed at, once known
+        self._ahead_from: tuple[int, Grown, TreePolicy] | None = None  # a proposed tree's drafting ahead, not started
+        self._starting = threading.Lock()  # `start_ahead` against `close`
 
     def __del__(self) -> None:
         self.close()  # a session dropped without close() still returns its slot
 
-    def close(self) -> None:
-        """Return the slot to the pool; the session is unusable afterwards."""
-        if getattr(self, "_ahead_job", None) is not None:
+    def close(self, wait: bool = True) -> None:
+        """Return the slot to the pool; the session is unusable afterwards. A drafting ahead in flight stops at its
+        next drafter step; without `wait` the slot returns then, from the thread that runs it (a caller on that thread
+        would wait for ever)."""
+        with getattr(self, "_starting", threading.Lock()):
+            self._ahead_from = None
+            job = getattr(self, "_ahead_job", None)
+        if job is not None:
             self.interrupt_ahead()
+            if not wait and not job.done():
+                job.add_done_callback(lambda _: self._return_slot())
+                return
             self._settle_ahead()
+        self._return_slot()
+
+    def _return_slot(self) -> None:
         if getattr(self, "slot", None) is not None:
             self.model.pool.release(self.slot)
             self.slot = None
@@ -408,10 +422,10 @@ class DraftSession:
         return run_alone(self.propose_steps(version, root_token, policy))
 
     @torch.no_grad()
-    def propose_steps(self, version: int, root_token: int, policy: TreePolicy) -> Steps[Proposal]:
+    def propose_steps(self, version: int, root_token: int, policy: TreePolicy, start_ahead: bool = True) -> Steps[Proposal]:
         """The EAGLE-2 tree rooted at the append-required token, flattened for verification: a tree drafted ahead for
         exactly the outcome the last reseed published, else a fresh one; then, with drafting ahead on, the next
-        round's trees start beside this round."""
+        round's trees start beside this round (without `start_ahead`, at `start_ahead()`)."""
         self._settle_ahead()
         if version != self.version:
             raise VersionError("draft cache", self.version, version)
@@ -431,8 +445,18 @@ class DraftSession:
         if self.model.ahead_trees and grown.proposal.nodes_expanded:
             self.proposed = (version, grown.proposal.draft_tree, grown.proposal.row_nodes)
             self._ahead_stop, self._decided = False, None
-            self._ahead_job = self.model.ahead_runner(self._draft_ahead(version + 1, grown, policy), self._ahead_priority)
+            self._ahead_from = (version + 1, grown, policy)
+            if start_ahead:
+                self.start_ahead()
         return grown.proposal
+
+    def start_ahead(self) -> None:
+        """Start drafting the next round's trees beside the verification of the tree just proposed (a caller that sends
+        the tree first starts it once the tree has left). Safe from any thread; a closed session starts none."""
+        with self._starting:
+            if self._ahead_from is not None:
+                (version, grown, policy), self._ahead_from = self._ahead_from, None
+                self._ahead_job = self.model.ahead_runner(self._draft_ahead(version, grown, policy), self._ahead_priority)
 
     def draft_decided(self, version: int, features: torch.Tensor, tokens: list[int], policy: TreePolicy) -> Steps[None]:
         """The next round's tree for the outcome a verification of `version` decided, drafted before the word on it:

@@ -9,6 +9,7 @@ token for token. Workers take calls only with their service's credential (KEY he
 
 import asyncio
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -54,14 +55,15 @@ def workers(ray_session, tmp_path_factory):
 
 
 def remote_request(
-    workers, request_id: str, draft: WorkerClient | None = None, target: WorkerClient | None = None, request=None, with_features: bool = False
+    workers, request_id: str, draft: WorkerClient | None = None, target: WorkerClient | None = None, request=None,
+    with_features: bool = False, send_ahead: bool = False,
 ):
     """The coordinator's proxy of one request on the module's workers (or the given ones)."""
     info = workers["infos"][1]
     request = request or workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id=request_id)
     return RemoteRequest(
         draft or workers["draft"], target or workers["target"], request_id, info.manifest_id, CallTiming(), info.vocab_size,
-        info.feature_width, request, with_features,
+        info.feature_width, request, with_features, send_ahead,
     )
 
 
@@ -315,6 +317,75 @@ def test_each_round_reports_the_forwards_each_worker_ran(workers):
     assert pair.draft_forwards == [] and len(pair.target_forwards) == 1 and record.tree.num_rows > 1
     while not request.done:
         run_round(request, pair, pair, workers["engine"].tree)
+    pair.release("draft", "target")
+    assert request.output == expected_output(workers)
+
+
+def verified_by_target(workers, calls: int) -> int:
+    """Wait until the target worker has served more than `calls` calls; its count then."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        served = pb.WorkerHealth.FromString(call(workers["target"], "Health", pb.WorkerHealthRequest())).calls
+        if served > calls:
+            return served
+    raise AssertionError("the target served no call")
+
+
+def test_a_round_that_promises_the_next_sends_its_tree_before_that_round_comes(workers):
+    """A Round that names the next round's id (`next_round_id`) has that round's tree drafted and verified without
+    it: once the target has served it, the next Round drafts nothing, comes back with the verification and says how
+    long the tree had been on its way. The output is the engine's."""
+    request = workers["engine"].new_request(PROMPT, NEW_TOKENS, request_id="promised")
+    pair = remote_request(workers, "promised", request=request, send_ahead=True)
+    start(request, pair, pair)
+    calls = pb.WorkerHealth.FromString(call(workers["target"], "Health", pb.WorkerHealthRequest())).calls
+    run_round(request, pair, pair, workers["engine"].tree)
+    assert pair.sent_ahead_s == 0.0 and pair._next_round_id
+    verified_by_target(workers, calls + 1)  # the first round's Verify, then the promised one's
+    record = run_round(request, pair, pair, workers["engine"].tree)
+    assert pair.sent_ahead_s > 0 and pair.draft_forwards == [] and len(pair.target_forwards) == 1
+    assert record.tree.num_rows > 1
+    while not request.done:
+        run_round(request, pair, pair, workers["engine"].tree)
+    pair.release("draft", "target")
+    assert request.output == expected_output(workers)
+
+
+def test_a_round_other_than_the_one_promised_is_refused_and_changes_nothing(workers):
+    """Once a tree went ahead for the promised Round, a Round for that version with another round id, policy,
+    sampling or target, or without the word, is refused naming the field; the promised Round then serves as if none
+    had come, and the request finishes as the engine generates it."""
+    engine = workers["engine"]
+    request = engine.new_request(PROMPT, NEW_TOKENS, request_id="promise-kept")
+    pair = remote_request(workers, "promise-kept", request=request, send_ahead=True)
+    start(request, pair, pair)
+    run_round(request, pair, pair, engine.tree)
+    ask = pb.DraftRequest(
+        ref=wire.ref("promise-kept", request.version, workers["infos"][0].manifest_id), root_token=request.root_token,
+        policy=wire.policy_to_proto(engine.tree),
+    )
+    promised = pb.RoundRequest(draft=ask, publish=pair._publish, sampling=pair.sampling, round_id=pair._next_round_id, target=pair.target.address)
+    changes = {
+        "round_id": {"round_id": "another"},
+        "draft.policy": {"draft": pb.DraftRequest(ref=ask.ref, root_token=ask.root_token, policy=wire.policy_to_proto(TreePolicy(1, 1, 1)))},
+        "sampling": {"sampling": wire.sampling_to_proto(engine.new_request(PROMPT, 1, temperature=0.5).sampling)},
+        "target": {"target": "127.0.0.1:1"},
+    }
+    for field, change in changes.items():
+        msg = pb.RoundRequest()
+        msg.CopyFrom(promised)
+        for name, value in change.items():
+            if isinstance(value, str):
+                setattr(msg, name, value)
+            else:
+                getattr(msg, name).CopyFrom(value)
+        assert refused(workers["draft"], "Round", msg) == (PRECONDITION, field)
+    unworded = pb.RoundRequest()
+    unworded.CopyFrom(promised)
+    unworded.ClearField("publish")
+    assert refused(workers["draft"], "Round", unworded) == (PRECONDITION, "publish")
+    while not request.done:
+        run_round(request, pair, pair, engine.tree)
     pair.release("draft", "target")
     assert request.output == expected_output(workers)
 
@@ -596,3 +667,16 @@ def test_a_verify_carrying_a_commit_with_a_bad_tree_applies_neither(workers):
     msg.commit.CopyFrom(carried)
     probe.check(pb.Verification.FromString(call(target, "Verify", msg)), probe.tree(), "second")
     call(target, "Release", pb.Release(ref=probe.ref()))
+
+
+def test_a_round_whose_tree_went_ahead_charges_only_the_target_work_inside_its_wait():
+    """The target's phases behind a Round whose tree went ahead began before the Round was sent: their first
+    `sent_ahead_s` seconds (decode, then queue, batch, compute, encode) leave the Round's split, which then still
+    sums to the Round's wait, none of it negative."""
+    timing = CallTiming()
+    timing.charge({"decode": 0.0, "queue": 0.0, "batch": 0.0, "compute": 0.0, "encode": 0.0}, 0.0, 0.010)
+    timing.charge_target({"decode": 0.001, "queue": 0.002, "batch": 0.0, "compute": 0.016, "encode": 0.001}, before=0.012)
+    split = timing.as_dict()
+    assert split["compute"] == pytest.approx(0.007) and split["queue"] == 0.0
+    assert split["serialize"] == pytest.approx(0.001) and split["rpc"] == pytest.approx(0.002)
+    assert sum(split.values()) == pytest.approx(0.010) and min(split.values()) >= 0.0

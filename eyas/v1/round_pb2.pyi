@@ -102,7 +102,7 @@ class DraftRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., root_token: _Optional[int] = ..., policy: _Optional[_Union[TreePolicy, _Mapping]] = ..., assumed: _Optional[_Union[AssumedOutcome, _Mapping]] = ..., with_records: _Optional[bool] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("draft", "publish", "sampling", "round_id", "target", "with_features", "draft_next")
+    __slots__ = ("draft", "publish", "sampling", "round_id", "target", "with_features", "draft_next", "next_round_id")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class RoundRequest(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     WITH_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     draft: DraftRequest
     publish: Publish
     sampling: SamplingParams
@@ -117,7 +118,8 @@ class RoundRequest(_message.Message):
     target: str
     with_features: bool
     draft_next: bool
-    def __init__(self, draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., round_id: _Optional[str] = ..., target: _Optional[str] = ..., with_features: _Optional[bool] = ..., draft_next: _Optional[bool] = ...) -> None: ...
+    next_round_id: str
+    def __init__(self, draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., round_id: _Optional[str] = ..., target: _Optional[str] = ..., with_features: _Optional[bool] = ..., draft_next: _Optional[bool] = ..., next_round_id: _Optional[str] = ...) -> None: ...
 
 class Publish(_message.Message):
     __slots__ = ("ref", "round_id", "accepted_rows", "tokens")
@@ -132,7 +134,7 @@ class Publish(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., round_id: _Optional[str] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundReply(_message.Message):
-    __slots__ = ("ref", "proposal", "verify_request", "verification", "target_seconds", "target_forwards", "target_wait")
+    __slots__ = ("ref", "proposal", "verify_request", "verification", "target_seconds", "target_forwards", "target_wait", "sent_ahead_s")
     REF_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class RoundReply(_message.Message):
     TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_WAIT_FIELD_NUMBER: _ClassVar[int]
+    SENT_AHEAD_S_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     proposal: Proposal
     verify_request: bytes
@@ -147,7 +150,8 @@ class RoundReply(_message.Message):
     target_seconds: _containers.RepeatedScalarFieldContainer[float]
     target_forwards: _containers.RepeatedCompositeFieldContainer[ForwardCost]
     target_wait: float
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., verify_request: _Optional[bytes] = ..., verification: _Optional[bytes] = ..., target_seconds: _Optional[_Iterable[float]] = ..., target_forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., target_wait: _Optional[float] = ...) -> None: ...
+    sent_ahead_s: float
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., verify_request: _Optional[bytes] = ..., verification: _Optional[bytes] = ..., target_seconds: _Optional[_Iterable[float]] = ..., target_forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., target_wait: _Optional[float] = ..., sent_ahead_s: _Optional[float] = ...) -> None: ...
 
 class DraftRecords(_message.Message):
     __slots__ = ("tokens", "parents", "confidences", "row_nodes")
