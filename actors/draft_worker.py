@@ -526,19 +526,22 @@ class DraftWorker(Worker):
     async def send_ahead(self, address: str, trees: list[Drafted], then: Callable[[], None]) -> None:
         """Send trees ahead of their Rounds (`then` runs once they are on their way, or lost); each Round relays its
         answer."""
-        sent_at = []
+        ran: list[float] = []  # when `then` ran
 
         def written() -> None:
-            sent_at.append(time.perf_counter())
+            ran.append(time.perf_counter())
             for drafted in trees:
-                drafted.sent_at = sent_at[0]
+                drafted.sent_at = ran[0]
             then()
 
-        answers = await self.verify_at(address, trees, written)
-        if not sent_at:
-            then()
-        for drafted, answer in zip(trees, answers):
-            drafted.answer.set_result(answer)
+        answers: list = [StreamEnded(grpc.StatusCode.INTERNAL, "", "the tree sent ahead was lost on this worker")] * len(trees)
+        try:
+            answers = await self.verify_at(address, trees, written)
+        finally:  # whatever happened, each Round waiting on a tree, and each next call, goes on
+            if not ran:
+                then()
+            for drafted, answer in zip(trees, answers):
+                drafted.answer.set_result(answer)
 
     def _receive(self, drafted: Drafted, data: bytes) -> tuple[Relayed, bytes]:
         """A target's verification of `drafted`, checked against its tree: what the coordinator's word may publish, and
