@@ -429,7 +429,8 @@ class Coordinator:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"pools.{side}", str(exc)) from None
         job.session = RemoteRequest(
             job.draft.client, job.target.client, job.request_id, self.manifest_id, job.timing, self.vocab_size,
-            self.feature_width, job.state, with_features=job.recorder is not None, send_ahead=job.policy is not None,
+            self.feature_width, job.state, with_features=job.recorder is not None,
+            send_ahead=job.policy is not None and self.config.draft_ahead > 0,  # docs/wire.md, "Rounds", step 7
         )
 
     def _rebuild(self, job: Job, lost: Exception | None) -> None:
