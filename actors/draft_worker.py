@@ -85,7 +85,6 @@ class Drafted:
     next: Future | None = None  # with `draft_next`: settles once the request's next call may run (`draft_next`)
     answer: asyncio.Future | None = None  # sent ahead of its Round: the target's CallResult, or the StreamEnded
     sent_at: float | None = None  # sent ahead: when it left (`time.perf_counter`)
-    lead: float = 0.0  # sent ahead: seconds it had been on its way when its Round arrived
 
     @property
     def ref(self) -> tpb.RequestRef:
@@ -353,7 +352,6 @@ class DraftWorker(Worker):
         if sent is not None:  # its reseed applied, its tree went to the target once the last outcome was relayed
             drafted = self.sent.pop(ask.ref.request_id)
             drafted.request = msg
-            drafted.lead = max(0.0, clock.started - drafted.sent_at) if drafted.sent_at is not None else 0.0
         else:
             if reseed is not None:
                 session.reseed(*reseed)
@@ -502,9 +500,11 @@ class DraftWorker(Worker):
             if len(calls) == 1:
                 await self.send_decided(drafted, relayed)
             call.clock.lap("decode")
+            # a tree sent ahead: how long it had been on its way when its Round arrived
+            lead = max(0.0, call.clock.started - drafted.sent_at) if drafted.sent_at is not None else 0.0
             call.reply = pb.RoundReply(
                 ref=drafted.ref, proposal=drafted.proposal, verify_request=drafted.verify_request, verification=answer,
-                target_seconds=result.seconds, target_forwards=result.forwards, sent_ahead_s=drafted.lead,
+                target_seconds=result.seconds, target_forwards=result.forwards, sent_ahead_s=lead,
             )
 
     async def verify_at(
