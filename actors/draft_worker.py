@@ -3,8 +3,9 @@
 Serves Start (seed a session from a prefill), Round (apply the coordinator's word on the last round, draft the next
 EAGLE-2 tree, send it on to the request's target worker and answer with its verification) and Reseed. A Round that
 promises the next one (`next_round_id`) has that round's tree sent to the target as soon as its own verification is
-relayed, and the next Round relays the answer (docs/wire.md, "Rounds"). Sessions are `eyas.proposer.DraftSession`s:
-the worker adds receipt checks in front of them so that a rejected message changes no state.
+relayed, or, where its tree went alone, the trees drafted ahead for it offered to the target while it is verified; the
+next Round relays the answer (docs/wire.md, "Rounds"). Sessions are `eyas.proposer.DraftSession`s: the worker adds
+receipt checks in front of them so that a rejected message changes no state.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from eyas.errors import VersionError
 from eyas.manifest import fingerprint_target
 from eyas.pairing import load_embedding_and_head, plan_drafter, target_num_layers
 from eyas.runtime.device import resolve_draft_dtype, resolve_dtype, stored_dtype
-from eyas.proposer import DraftModel, DraftSession, ahead_key
+from eyas.proposer import DraftModel, DraftSession, Grown, ahead_key
 from eyas.rounds import Proposal
 from eyas.runtime.batch import Operation
 from eyas.steps import Steps
@@ -85,6 +86,7 @@ class Drafted:
     next: Future | None = None  # with `draft_next`: settles once the request's next call may run (`draft_next`)
     answer: asyncio.Future | None = None  # sent ahead of its Round: the target's CallResult, or the StreamEnded
     sent_at: float | None = None  # sent ahead: when it left (`time.perf_counter`)
+    offer: "Offer | None" = None  # the next round's trees, offered to the target after it (`offer_ahead`)
 
     @property
     def ref(self) -> tpb.RequestRef:
@@ -93,6 +95,18 @@ class Drafted:
     @property
     def target(self) -> str:
         return self.request.target
+
+
+@dataclass
+class Offer:
+    """The trees drafted ahead for the outcomes of a tree being verified, sent after it as the next round's Verify
+    `options` (docs/wire.md, "Rounds", step 8): the target verifies the one for the outcome it decides."""
+
+    outcomes: dict[tuple, Grown]  # `ahead_key` -> the tree offered for that outcome
+    verify_request: bytes
+    written: asyncio.Future  # settles once the Verify is on its way, or lost before
+    answer: asyncio.Future  # the target's CallResult, or the StreamEnded that lost it
+    sent_at: float | None = None  # when it left (`time.perf_counter`); None: it never did
 
 
 class Outbox:
@@ -122,6 +136,8 @@ class Outbox:
         self.left -= 1
         if self.left:
             return
+        if len(self.trees) == 1:  # on its way alone: the trees drafted ahead beside it may be offered after it
+            self.worker.offerable[self.trees[0].ref.request_id] = self.trees[0]
         if self.trees:
             self.loop.create_task(self.worker.send_ahead(self.address, self.trees, self.sent))
         else:
@@ -181,10 +197,12 @@ class DraftWorker(Worker):
         self._credential = call_metadata(spec.token)
         self._next: dict[str, Future] = {}  # request id -> its last Round's `Drafted.next`, until `followup` takes it
         self.sent: dict[str, Drafted] = {}  # request id -> its next round's tree, sent to the target before the Round
+        self.offerable: dict[str, Drafted] = {}  # request id -> its tree on its way alone, until relayed (`offer_ahead`)
 
     def forget(self, request_id: str) -> None:
         self.relayed.pop(request_id, None)
         self.sent.pop(request_id, None)
+        self.offerable.pop(request_id, None)
 
     def load(self) -> None:
         spec = self.spec
@@ -226,6 +244,7 @@ class DraftWorker(Worker):
                 settled.set_exception(op.error)
             else:
                 settled.set_result(None)
+            self.loop.call_soon_threadsafe(self.offer_ahead)
 
         self.scheduler.submit(steps, priority).add_done_callback(ended)
         return settled
@@ -384,23 +403,60 @@ class DraftWorker(Worker):
             raise RuntimeError(f"request {sent.ref.request_id!r}: the tree sent for version {sent.ref.version} is not the one proposed")
         return None
 
-    async def send_decided(self, drafted: Drafted, relayed: Relayed) -> None:
-        """As a lone Round's verification is relayed: when that Round promised the next and the decided outcome's tree
-        was drafted ahead, send it to the target now, from this event loop, before the reply (the reseed and the
-        tree's bookkeeping follow in `promised`). A batch's trees go together instead (`Outbox`)."""
+    async def send_decided(self, drafted: Drafted, relayed: Relayed, alone: bool) -> None:
+        """As a Round's verification is relayed, when that Round promised the next and the decided outcome's tree was
+        drafted ahead: where it was offered (`offer_ahead`), the target went on to it as it decided; else, for a lone
+        Round, send it now, from this event loop, before the reply. The reseed and the tree's bookkeeping follow in
+        `promised`; a batch's trees go together instead (`Outbox`)."""
         session = self.sessions.get(drafted.ref.request_id)
         if session is None or drafted.next is None or not drafted.request.next_round_id:
             return
-        grown = session.ahead.get(ahead_key(relayed.version + 1, relayed.tokens[:-1], relayed.tokens[-1], drafted.policy))
-        if grown is None:
+        offer = drafted.offer
+        if offer is not None:
+            await offer.written  # it may still be on its way
+        key = ahead_key(relayed.version + 1, relayed.tokens[:-1], relayed.tokens[-1], drafted.policy)
+        grown = session.ahead.get(key)
+        taken = grown is not None and offer is not None and offer.sent_at is not None and offer.outcomes.get(key) is grown
+        if grown is None or not (alone or taken):
             return
         promise, commit = promise_after(drafted, relayed)
         sent = encoded(promise, grown.proposal, drafted.policy, commit)
+        self.sent[drafted.ref.request_id] = self.offerable[drafted.ref.request_id] = sent
+        if taken:
+            sent.answer, sent.sent_at = offer.answer, offer.sent_at
+            return
         loop = asyncio.get_running_loop()
         sent.answer, written = loop.create_future(), loop.create_future()
-        self.sent[drafted.ref.request_id] = sent
         sending = asyncio.ensure_future(self.send_ahead(drafted.target, [sent], lambda: written.set_result(None)))
         await asyncio.wait([written, sending], return_when=asyncio.FIRST_COMPLETED)
+
+    def offer_ahead(self) -> None:
+        """On the event loop, as a drafting ahead ends: each tree on its way alone, whose Round promised the next, has
+        the trees drafted ahead for its outcomes sent after it as the next round's Verify `options`, so that the target
+        goes on to the decided outcome's as it decides (docs/wire.md, "Rounds", step 8)."""
+        for request_id, drafted in list(self.offerable.items()):
+            session = self.sessions.get(request_id)
+            job = None if session is None else session.ahead_job
+            if session is not None and (not drafted.request.next_round_id or job is None or not job.done()):
+                continue  # its Round or the trees are still to come
+            del self.offerable[request_id]
+            if session is None:
+                continue
+            ref = wire.ref(request_id, drafted.ref.version + 1, drafted.ref.manifest_id)
+            outcomes, options = {}, []
+            for key, grown in session.ahead.items():
+                rows = drafted.tree.path_of(grown.proposal.assumed[0]) if grown.proposal.assumed is not None else None
+                if key[0] == ref.version and key[3] == drafted.policy and rows is not None:
+                    outcomes[key] = grown
+                    commit = pb.Commit(ref=drafted.ref, accepted_rows=rows, round_id=drafted.request.round_id)
+                    options.append(pb.VerifyOption(tree=wire.proposed_tree_to_proto(grown.proposal, ref), commit=commit))
+            if not options:
+                continue
+            ask = drafted.request
+            verify = pb.VerifyRequest(ref=ref, sampling=ask.sampling, round_id=ask.next_round_id, options=options)
+            loop = asyncio.get_running_loop()
+            offer = drafted.offer = Offer(outcomes, verify.SerializeToString(), loop.create_future(), loop.create_future())
+            loop.create_task(self.send_ahead(drafted.target, [offer], lambda offer=offer: offer.written.set_result(None)))
 
     def _published(self, ref: tpb.RequestRef, word: pb.Publish, root: int) -> tuple[tuple, pb.Commit]:
         """The reseed and the target's commit that the coordinator's word names: the accepted rows, tokens and features
@@ -476,9 +532,13 @@ class DraftWorker(Worker):
 
     async def _relay_to(self, address: str, calls: list[Served], decided: dict[int, "Relayed"]) -> None:
         fresh = [call.reply for call in calls if call.reply.answer is None]
+        if len(fresh) == 1:  # on its way alone: the trees drafted ahead beside it may be offered after it
+            self.offerable[fresh[0].ref.request_id] = fresh[0]
         answers = dict(zip(map(id, fresh), await self.verify_at(address, fresh))) if fresh else {}
         for i, call in enumerate(calls):
             result = answers[id(call.reply)] if call.reply.answer is None else await call.reply.answer
+            if self.offerable.get(call.reply.ref.request_id) is call.reply:
+                del self.offerable[call.reply.ref.request_id]  # verified: nothing more to offer after it
             call.clock.skip()  # the wait on the target: its own phases come back in the reply
             if isinstance(result, StreamEnded):
                 call.fail(ServiceError(result.code, target_field(result.field), f"the target worker at {address}: {result.details}"))
@@ -497,8 +557,7 @@ class DraftWorker(Worker):
             session = self.sessions.get(drafted.ref.request_id)
             if session is not None:  # drafting ahead stops guessing: this is the outcome the next round builds on
                 session.decide_ahead(relayed.tokens[:-1], relayed.tokens[-1])
-            if len(calls) == 1:
-                await self.send_decided(drafted, relayed)
+            await self.send_decided(drafted, relayed, alone=len(calls) == 1)
             call.clock.lap("decode")
             # a tree sent ahead: how long it had been on its way when its Round arrived
             lead = max(0.0, call.clock.started - drafted.sent_at) if drafted.sent_at is not None else 0.0
@@ -508,7 +567,7 @@ class DraftWorker(Worker):
             )
 
     async def verify_at(
-        self, address: str, trees: list[Drafted], written: Callable[[], None] | None = None
+        self, address: str, trees: list[Drafted] | list[Offer], written: Callable[[], None] | None = None
     ) -> list[pb.CallResult | StreamEnded]:
         """The target's answer to each tree, sent as one Verify batch (`written` runs once it is on its way): its
         CallResult, or the StreamEnded that lost it."""
@@ -523,9 +582,9 @@ class DraftWorker(Worker):
             return [StreamEnded(grpc.StatusCode.INTERNAL, "results", f"{len(results)} results for {len(trees)} calls")] * len(trees)
         return list(results)
 
-    async def send_ahead(self, address: str, trees: list[Drafted], then: Callable[[], None]) -> None:
-        """Send trees ahead of their Rounds (`then` runs once they are on their way, or lost); each Round relays its
-        answer."""
+    async def send_ahead(self, address: str, trees: list[Drafted] | list[Offer], then: Callable[[], None]) -> None:
+        """Send trees (or an offer) ahead of their Rounds (`then` runs once they are on their way, or lost); each Round
+        relays its answer."""
         ran: list[float] = []  # when `then` ran
 
         def written() -> None:

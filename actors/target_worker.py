@@ -1,8 +1,8 @@
 """The target worker: target weights and target KV per request, provisional branch KV until commit.
 
 Serves Prefill (commit the KV of the committed tokens, return their features), Verify (apply a
-carried Commit, then verify a tree: the acceptance decision plus the accepted rows' features)
-and Commit. Each Verify names its round (`round_id`); a Commit must name the round whose
+carried Commit, then verify a tree: the acceptance decision plus the accepted rows' features; or,
+of trees offered ahead as `options`, the one that builds on the outcome decided) and Commit. Each Verify names its round (`round_id`); a Commit must name the round whose
 provisional tree it commits, and a Verify never replaces a provisional tree of another round. Sessions are `eyas.target.TargetSession`s. A tree is checked once, on receipt,
 with `validate_tree` (structure, the service's verify budget, the committed prefix); a tree arriving
 with a commit is checked against the state after that commit before the commit is applied, so a
@@ -29,14 +29,14 @@ from eyas import wire
 from eyas.autotree import measure_verify
 from eyas.emulation import EmulatedDevice, TimedTarget, emulated_manifest, load_profile
 from eyas.request import eos_token_ids
-from eyas.errors import VersionError
+from eyas.errors import VersionError, renamed
 from eyas.pairing import plan_drafter, target_num_layers
 from eyas.pairing import DrafterPlan
 from eyas.runtime.device import prepare, resolve_dtype, stored_dtype
 from eyas.runtime.shard import Shard, join_group, open_rendezvous
 from eyas.steps import Steps
 from eyas.target import TargetModel, TargetSession
-from eyas.tree import validate_tree
+from eyas.tree import TreeError, validate_tree
 from eyas.v1 import round_pb2 as pb
 
 from .errors import ServiceError
@@ -44,7 +44,7 @@ from .limits import MAX_ROUND_ID_BYTES
 from .server import Clock
 from .worker import Worker, WorkerSpec, WorkerStartError, assigned_device
 
-PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+PRECONDITION, ABORTED = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # joining a group, and any one collective of a forward
 
 
@@ -122,10 +122,14 @@ class TargetWorker(Worker):
         super().__init__(spec)
         self.provisional_round: dict[str, str] = {}  # request id -> round_id of its provisional tree
         self.committed_round: dict[str, str] = {}  # request id -> round_id of its last commit (for retries)
+        # request id -> its provisional tree's round_id, version, accepted rows, and accepted tokens then frontier token
+        self.decided: dict[str, tuple[str, int, tuple[int, ...], tuple[int, ...]]] = {}
+        self.options_taken = 0
 
     def forget(self, request_id: str) -> None:
         self.provisional_round.pop(request_id, None)
         self.committed_round.pop(request_id, None)
+        self.decided.pop(request_id, None)
 
     def check_round(self, request_id: str, session: TargetSession, commit: tuple, round_id: str, field: str) -> bool:
         """A commit must name the round of the tree it commits; True when it is a retry already applied."""
@@ -140,6 +144,19 @@ class TargetWorker(Worker):
     def apply_commit(self, request_id: str, session: TargetSession, commit: tuple) -> None:
         session.commit(*commit)
         self.committed_round[request_id] = self.provisional_round.pop(request_id)
+        self.decided.pop(request_id, None)
+
+    def chosen(self, msg: pb.VerifyRequest) -> pb.VerifyOption:
+        """Of a Verify's options, the one whose commit and assumed outcome name what this worker decided for the
+        request's provisional tree; refused (ABORTED) when none does."""
+        if msg.HasField("tree") or msg.HasField("commit"):
+            raise wire.WireError("options", "a Verify with options carries no tree or commit of its own")
+        decided = self.decided.get(msg.ref.request_id)
+        for option in msg.options:
+            commit, assumed = option.commit, option.tree.assumed
+            if decided == (commit.round_id, commit.ref.version, tuple(commit.accepted_rows), (*assumed.accepted_tokens, assumed.frontier_token)):
+                return option
+        raise ServiceError(ABORTED, "options", "none builds on the outcome this worker decided for the request's provisional tree")
 
     def open_group(self, host: str | None) -> tuple[str, int]:
         """Rank 0 of a group: open the store the other ranks join at, on `host` (this node's address when None)."""
@@ -170,6 +187,9 @@ class TargetWorker(Worker):
     def info_extra(self) -> dict:
         return {"eos_token_ids": tuple(sorted(eos_token_ids(self.model.generation_config, self.model.tokenizer)))}
 
+    def health_extra(self) -> dict:
+        return {"options_taken": self.options_taken}
+
     def endpoints(self) -> dict:
         return {"Prefill": (pb.Prefill, self.prefill), "Verify": (pb.VerifyRequest, self.verify), "Commit": (pb.Commit, self.commit)}
 
@@ -197,25 +217,31 @@ class TargetWorker(Worker):
         return reply
 
     def verify(self, msg: pb.VerifyRequest, clock: Clock) -> Steps[pb.Verification]:
-        """Apply the carried commit (if any), then verify the tree that builds on msg.ref.version."""
+        """Apply the carried commit (if any), then verify the tree that builds on msg.ref.version; of `options`, the one
+        that builds on the outcome this worker decided (a refusal of the chosen one's fields names `options.`)."""
         session = self.session(msg.ref)
-        if not msg.HasField("tree"):
+        request_id = msg.ref.request_id
+        if msg.options:
+            option, field = self.chosen(msg), "options."
+            tree_msg, commit_msg = option.tree, option.commit
+        elif not msg.HasField("tree"):
             raise wire.WireError("tree", "is missing")
-        if msg.tree.ref != msg.ref:
-            raise wire.WireError("tree.ref", "the tree names another request, version or manifest than the call")
-        tree = wire.tree_from_proto(msg.tree)
+        else:
+            tree_msg, commit_msg, field = msg.tree, msg.commit if msg.HasField("commit") else None, ""
+        if tree_msg.ref != msg.ref:
+            raise wire.WireError(f"{field}tree.ref", "the tree names another request, version or manifest than the call")
+        tree = wire.tree_from_proto(tree_msg)
         params = wire.sampling_from_proto(msg.sampling)
         limit = self.spec.tree_limit.budget
-        request_id = msg.ref.request_id
         if not msg.round_id or len(msg.round_id.encode()) > MAX_ROUND_ID_BYTES:
             raise wire.WireError("round_id", f"must be 1 to {MAX_ROUND_ID_BYTES} bytes")
         commit = None
         version, prefix = session.version, session.committed
         pending = self.provisional_round.get(request_id)
-        if msg.HasField("commit"):
-            self.same_request(msg.ref, msg.commit.ref, "commit.ref")
-            commit = (msg.commit.ref.version, tuple(msg.commit.accepted_rows))
-            if self.check_round(request_id, session, commit, msg.commit.round_id, "commit.round_id"):
+        if commit_msg is not None:
+            self.same_request(msg.ref, commit_msg.ref, f"{field}commit.ref")
+            commit = (commit_msg.ref.version, tuple(commit_msg.accepted_rows))
+            if self.check_round(request_id, session, commit, commit_msg.round_id, f"{field}commit.round_id"):
                 commit = None  # a retried commit, already applied
             else:
                 pending = None  # the carried commit consumes the provisional tree
@@ -225,12 +251,19 @@ class TargetWorker(Worker):
             raise ServiceError(PRECONDITION, "round_id", "another round's tree is provisional; commit or release it first")
         if msg.ref.version != version:
             raise VersionError("target cache", version, msg.ref.version)
-        validate_tree(tree, vocab_size=self.vocab_size, prefix_len=prefix, budget=limit)  # the tree's one receipt check
+        try:
+            validate_tree(tree, vocab_size=self.vocab_size, prefix_len=prefix, budget=limit)  # the tree's one receipt check
+        except TreeError as exc:
+            raise renamed(exc, field + exc.field) from None
         clock.lap("decode")
         if commit is not None:
             self.apply_commit(request_id, session, commit)
+        self.options_taken += bool(field)
         verification = yield from session.verify_steps(tree, msg.ref.version, params)
+        decision = verification.decision
         self.provisional_round[request_id] = msg.round_id
+        outcome = tuple(map(int, (*decision.accepted_tokens, decision.frontier_token)))
+        self.decided[request_id] = (msg.round_id, msg.ref.version, tuple(map(int, decision.accepted_rows)), outcome)
         clock.lap("compute")
         reply = wire.verification_to_proto(verification, msg.ref)
         reply.round_id = msg.round_id

@@ -145,6 +145,7 @@ class Worker:
         self.busy_seconds = 0.0
         self.scheduler = Scheduler(f"eyas-{self.role}", spec.max_concurrency)  # the compute thread
         self._tails: dict[str, asyncio.Future] = {}  # per request: the last call, which the next one waits for
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the calls, once started
         self._server: grpc.aio.Server | None = None
         self.device = assigned_device()
 
@@ -180,6 +181,10 @@ class Worker:
     def forget(self, request_id: str) -> None:
         """Drop role-specific bookkeeping of a released session."""
 
+    def health_extra(self) -> dict:
+        """This role's own counts in its health (`WorkerHealth`)."""
+        return {}
+
     def followup(self, request_id: str) -> Future | None:
         """Work a finished call left running for its request on the compute thread (the request's next call waits
         for it), or None."""
@@ -209,6 +214,7 @@ class Worker:
         """
         if not self.spec.token:
             raise WorkerStartError("token: a worker needs its service's credential (WorkerSpec.token)")
+        self.loop = asyncio.get_running_loop()
         torch.set_num_threads(self.spec.threads)
         prepare(self.device)
         hf_logging.disable_progress_bar()
@@ -447,6 +453,7 @@ class Worker:
             forwards=self.scheduler.lockstep.batches,
             forward_calls=self.scheduler.lockstep.calls,
             forward_seconds=self.scheduler.lockstep.seconds,
+            **self.health_extra(),
         ).SerializeToString()
 
     def release(self, msg: pb.Release, clock: Clock) -> pb.Released:

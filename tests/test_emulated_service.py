@@ -1,6 +1,7 @@
 """The service on timed models: its output equals the in-process engine's on the same emulated hardware, at 1 and 16
-concurrent requests, drafting ahead on and off, greedy and seeded; a worker killed under the load loses no committed
-token. (Exactness itself is tested on real models; here the service's machinery runs on the timed models'.)"""
+concurrent requests, drafting ahead on and off, greedy and seeded, and with trees drafted ahead offered to the target;
+a worker killed under the load loses no committed token. (Exactness itself is tested on real models; here the
+service's machinery runs on the timed models'.)"""
 
 import os
 import random
@@ -61,3 +62,22 @@ def test_a_target_worker_killed_under_the_load_loses_no_committed_token(svc):
     outputs, finals, _ = stream_while(client, PROMPTS, LENGTH, kill, options=[{**o, "ignore_eos": True} for o in SAMPLING])
     assert outputs == svc["expected"]
     assert sum(f.stats["rebuilds"] for f in finals) >= 1
+
+
+def test_trees_offered_to_the_target_as_it_verifies_keep_the_engines_output(ray_session):
+    """Where a verification outlasts the drafting ahead (`70b-tp4`), a lone request's trees drafted ahead are offered
+    to the target while it verifies (`VerifyRequest.options`) and it goes on to the decided outcome's: the output,
+    greedy and seeded, is still the in-process engine's."""
+    config = ServiceConfig.from_dict({
+        "models": {"emulate": "70b-tp4"},
+        "tree": TREE,
+        "service": {"ready_timeout_s": 120, "rpc_timeout_s": 60, "draft_ahead": 2, "kv_slots": 4},
+        "network": {"http_port": 0},
+    })
+    engine = Engine.emulated("70b-tp4", tree=TREE, kv_slots=4, draft_ahead=2)
+    expected = [engine.generate(p, max_new_tokens=LENGTH, stop_at_eos=False, **o).token_ids for p, o in zip(PROMPTS[:4], SAMPLING[:4])]
+    with Service(config, port=0) as service, Client(service.address) as client:
+        outputs = [client.generate(p, max_new_tokens=LENGTH, ignore_eos=True, **o).token_ids for p, o in zip(PROMPTS[:4], SAMPLING[:4])]
+        target = next(p for p in client.status()["pools"] if p["name"] == "target")["workers"][0]
+    assert outputs == expected
+    assert target["options_taken"] > 0

@@ -669,6 +669,41 @@ def test_a_verify_carrying_a_commit_with_a_bad_tree_applies_neither(workers):
     call(target, "Release", pb.Release(ref=probe.ref()))
 
 
+def test_a_verify_with_options_verifies_the_one_built_on_the_decided_outcome_and_else_changes_nothing(workers):
+    """Trees offered while the verification they build on runs (`options`): the target verifies the one whose commit
+    and assumed outcome name what it decided, as it would that tree sent alone with its commit. Options none of which
+    does are refused (ABORTED, `options`) and change nothing; so is a Verify with a tree of its own beside options."""
+    probe = TargetOnly(workers, "options")
+    target = workers["target"]
+    tree = probe.tree()
+    reply = pb.Verification.FromString(call(target, "Verify", probe.verify_msg(tree, "first")))  # provisional under "first"
+    decided = wire.verification_from_proto(reply, workers["infos"][1].feature_width).decision
+    first = probe.ref()
+    local = probe.local.verify(tree, probe.version, probe.sampling)
+    probe.local.commit(probe.version, local.decision.accepted_rows)  # in process, as the chosen option's commit will do
+    probe.root = local.decision.frontier_token
+    following = probe.tree()
+
+    def option(accepted, frontier, rows) -> pb.VerifyOption:
+        msg = wire.tree_to_proto(following, probe.ref())
+        msg.assumed.CopyFrom(pb.AssumedOutcome(accepted_tokens=accepted, frontier_token=frontier))
+        return pb.VerifyOption(tree=msg, commit=pb.Commit(ref=first, accepted_rows=rows, round_id="first"))
+
+    right = option(decided.accepted_tokens, decided.frontier_token, decided.accepted_rows)
+    other_bonus = option(decided.accepted_tokens, decided.frontier_token + 1, decided.accepted_rows)
+    other_path = option((11,), decided.frontier_token, (0, 1)) if decided.accepted_rows == (0,) else option((), decided.frontier_token, (0,))
+    sampling = wire.sampling_to_proto(probe.sampling)
+    offered = lambda *options, **fields: pb.VerifyRequest(ref=probe.ref(), sampling=sampling, round_id="second", options=options, **fields)
+    before = target.health()
+    assert refused(target, "Verify", offered(other_bonus, other_path)) == (grpc.StatusCode.ABORTED, "options")
+    assert refused(target, "Verify", offered(right, tree=wire.tree_to_proto(following, probe.ref()))) == (INVALID, "options")
+    after = target.health()
+    assert (after.kv_bytes, after.options_taken) == (before.kv_bytes, before.options_taken)  # "first" is still provisional
+    probe.check(pb.Verification.FromString(call(target, "Verify", offered(other_bonus, right))), following, "second")
+    assert target.health().options_taken == before.options_taken + 1
+    call(target, "Release", pb.Release(ref=probe.ref()))
+
+
 def test_a_round_whose_tree_went_ahead_charges_only_the_target_work_inside_its_wait():
     """The target's phases behind a Round whose tree went ahead began before the Round was sent: their first
     `sent_ahead_s` seconds (decode, then queue, batch, compute, encode) leave the Round's split, which then still

@@ -208,18 +208,28 @@ class Commit(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., round_id: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("ref", "tree", "sampling", "commit", "round_id")
+    __slots__ = ("ref", "tree", "sampling", "commit", "round_id", "options")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     tree: FlattenedTree
     sampling: SamplingParams
     commit: Commit
     round_id: str
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., round_id: _Optional[str] = ...) -> None: ...
+    options: _containers.RepeatedCompositeFieldContainer[VerifyOption]
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., round_id: _Optional[str] = ..., options: _Optional[_Iterable[_Union[VerifyOption, _Mapping]]] = ...) -> None: ...
+
+class VerifyOption(_message.Message):
+    __slots__ = ("tree", "commit")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    tree: FlattenedTree
+    commit: Commit
+    def __init__(self, tree: _Optional[_Union[FlattenedTree, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
 
 class AcceptanceDecision(_message.Message):
     __slots__ = ("ref", "accepted_rows", "accepted_tokens", "frontier_token", "frontier_prob", "accepted_features", "token_probs")
@@ -300,7 +310,7 @@ class WorkerHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "forwards", "forward_calls", "forward_seconds")
+    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "forwards", "forward_calls", "forward_seconds", "options_taken")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +321,7 @@ class WorkerHealth(_message.Message):
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     role: str
     manifest_id: str
     sessions: int
@@ -321,7 +332,8 @@ class WorkerHealth(_message.Message):
     forwards: int
     forward_calls: int
     forward_seconds: float
-    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    options_taken: int
+    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., options_taken: _Optional[int] = ...) -> None: ...
 
 class CallBatch(_message.Message):
     __slots__ = ("method", "calls", "id")
