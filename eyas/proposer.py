@@ -542,18 +542,20 @@ class DraftSession:
             outcomes = likeliest_outcomes(tree, nodes, candidates, self.model.calibration, self.model.ahead_trees)
             if not outcomes or self._ahead_stop or self._decided is not None:
                 return
-            # the bonus rows: each bonus b as a child of its node n, one drafter step for all of them
+            # the bonus rows: each bonus b as a child of its node n, one drafter step (and one head pass) for all
             base = self.written
-            roots = (yield from self._run_rows(
+            roots = yield from self._run_rows(
                 [path_rows[n] for _, n, _ in outcomes],
                 [b for _, _, b in outcomes],
                 [prefix_len + tree.depths[n] for _, n, _ in outcomes],
                 torch.stack([states[n] for _, n, _ in outcomes]),
-            )).states  # [T, d]
+                policy.width if policy.depth > 0 and policy.budget > 0 else 0,
+            )  # states [T, d], each root's candidates [T, width]
             paths = [tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:]) for _, n, _ in outcomes]
             growths = [
                 self._grow(
-                    b, roots[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy,
+                    b, roots.states[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy,
+                    None if roots.tokens is None else (roots.tokens[i : i + 1], roots.probs[i : i + 1]),
                     stop=lambda outcome=(paths[i], b): not self._growing(outcome),
                 )
                 for i, (_, n, b) in enumerate(outcomes)

@@ -134,3 +134,15 @@ def test_tree_rows_score_as_their_paths_would_alone(engine):
     assert torch.equal(tree.logits[[0, 2, 3]], chain.logits)
     assert not torch.equal(tree.logits[1], tree.logits[2])
     target.pool.release(slot)
+
+
+def test_the_drafters_candidates_are_the_laws_whether_its_step_drew_them_or_not(engine):
+    """A step draws its rows' candidates inside its hold; asked for any states, the drafter answers with the law's."""
+    drafter = engine.draft.drafter
+    engine.generate([3, 1, 4, 1, 5], max_new_tokens=8)
+    drawn = drafter._drawn[0]  # the last step's rows
+    for states in (drawn[:5], torch.cat([drawn[:5], torch.tensor([12345, 777])])):
+        for k in (1, 4, 40):
+            tokens, probs = drafter.top_candidates(states[:, None].float(), k)
+            expected = draft_candidates(states, drafter.law, k)
+            assert torch.equal(tokens, expected[0]) and torch.equal(probs, expected[1])

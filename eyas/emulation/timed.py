@@ -141,7 +141,8 @@ class HeadLayout:
 
 class SyntheticDrafter(nn.Module):
     """A drafter whose step holds `device` for `cost` and whose state is each row's context hash: the law's
-    candidates follow from it. It reads no target features (they only cross the wire)."""
+    candidates follow from it. It reads no target features (they only cross the wire). A step draws its rows'
+    candidates inside its hold, as a drafter's head runs inside its step on the device (docs/emulation.md)."""
 
     bound = False
     attention = HeadLayout()
@@ -153,6 +154,7 @@ class SyntheticDrafter(nn.Module):
         super().__init__()
         self.law, self.cost, self.emulated = law, cost, device
         self.embed = nn.Embedding(law.vocab, 1).requires_grad_(False)  # its vocabulary, for code that reads it there
+        self._drawn = (torch.empty(0, dtype=torch.long), None, None)  # the last step's hashes (sorted) and candidates
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
         """[m, F] -> [m, 1] states (a step's state is its row's hash, whatever the input)."""
@@ -163,8 +165,18 @@ class SyntheticDrafter(nn.Module):
         """Tokens and positions [B, N] over `kv`, what rows see `mask` [B, 1, N, K] -> each row's hash [B, N, 1]."""
         keys = [s + n for s, n in zip(kv.starts, kv.lengths)]
         with self.emulated.hold(self.cost.seconds(sum(kv.lengths), keys)):
-            return row_hashes(tokens, positions, kv, mask, self.law.context).float()[..., None]  # exact: hashes < 2^24
+            hashes = row_hashes(tokens, positions, kv, mask, self.law.context)  # [B, N]
+            drawn = hashes.flatten().unique()  # sorted
+            self._drawn = (drawn, *draft_candidates(drawn, self.law, self.law.ranked))
+            return hashes.float()[..., None]  # exact: hashes < 2^24
 
     def top_candidates(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Q, 1] states -> the law's k likeliest tokens [Q, k] and their probabilities [Q, k] float64."""
-        return draft_candidates(states[:, 0].long(), self.law, k)
+        """[Q, 1] states -> the law's k likeliest tokens [Q, k] and their probabilities [Q, k] float64 (drawn by the
+        last step when it made them all)."""
+        h = states[:, 0].long()
+        drawn, tokens, probs = self._drawn
+        if len(drawn):
+            at = torch.searchsorted(drawn, h).clamp(max=len(drawn) - 1)
+            if bool((drawn[at] == h).all()):
+                return tokens[at, :k], probs[at, :k]
+        return draft_candidates(h, self.law, k)
