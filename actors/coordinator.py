@@ -531,7 +531,7 @@ class Coordinator:
                         forwards=health.forwards,
                         forward_calls=health.forward_calls,
                         forward_seconds=health.forward_seconds,
-                        **({"options_taken": health.options_taken} if name == "target" else {}),
+                        **({"options_offered": health.options_offered, "options_taken": health.options_taken} if name == "target" else {}),
                     )
                 except (grpc.RpcError, WorkerLost):
                     pool.lost(member)

@@ -124,7 +124,7 @@ class TargetWorker(Worker):
         self.committed_round: dict[str, str] = {}  # request id -> round_id of its last commit (for retries)
         # request id -> its provisional tree's round_id, version, accepted rows, and accepted tokens then frontier token
         self.decided: dict[str, tuple[str, int, tuple[int, ...], tuple[int, ...]]] = {}
-        self.options_taken = 0
+        self.options_offered = self.options_taken = 0
 
     def forget(self, request_id: str) -> None:
         self.provisional_round.pop(request_id, None)
@@ -188,7 +188,7 @@ class TargetWorker(Worker):
         return {"eos_token_ids": tuple(sorted(eos_token_ids(self.model.generation_config, self.model.tokenizer)))}
 
     def health_extra(self) -> dict:
-        return {"options_taken": self.options_taken}
+        return {"options_offered": self.options_offered, "options_taken": self.options_taken}
 
     def endpoints(self) -> dict:
         return {"Prefill": (pb.Prefill, self.prefill), "Verify": (pb.VerifyRequest, self.verify), "Commit": (pb.Commit, self.commit)}
@@ -222,6 +222,7 @@ class TargetWorker(Worker):
         session = self.session(msg.ref)
         request_id = msg.ref.request_id
         if msg.options:
+            self.options_offered += 1
             option, field = self.chosen(msg), "options."
             tree_msg, commit_msg = option.tree, option.commit
         elif not msg.HasField("tree"):

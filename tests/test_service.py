@@ -57,18 +57,22 @@ def test_front_door_listens_on_loopback(svc):
 def test_a_round_costs_one_call_on_each_worker(svc):
     """The publish rides on the next Round call (to the draft worker, which passes the commit on with the next
     Verify): besides its Start / Prefill and its Release, a request costs each pool one call per round (no Commit or
-    Reseed call of its own)."""
+    Reseed call of its own), and the target one more for each offer of trees drafted ahead that it refused."""
     client = svc["client"]
 
     def calls() -> dict[str, int]:
-        return {pool["name"]: sum(w["calls"] for w in pool["workers"]) for pool in client.status()["pools"]}
+        pools = client.status()["pools"]
+        counts = {pool["name"]: sum(w["calls"] for w in pool["workers"]) for pool in pools}
+        target = next(pool for pool in pools if pool["name"] == "target")["workers"]
+        return {**counts, "refused": sum(w["options_offered"] - w["options_taken"] for w in target)}
 
     before = calls()
     result = client.generate(PROMPTS[9], max_new_tokens=40)
     after = calls()
     rounds = result.stats["rounds"]
     assert rounds > 1 and result.stats["rebuilds"] == 0
-    assert {name: after[name] - before[name] for name in after} == {"draft": rounds + 2, "target": rounds + 2}
+    refused = after["refused"] - before["refused"]
+    assert {name: after[name] - before[name] for name in after} == {"draft": rounds + 2, "target": rounds + 2 + refused, "refused": refused}
 
 
 def test_concurrent_greedy_output_equals_engine_and_hugging_face(svc):

@@ -699,8 +699,9 @@ def test_a_verify_with_options_verifies_the_one_built_on_the_decided_outcome_and
     assert refused(target, "Verify", offered(right, tree=wire.tree_to_proto(following, probe.ref()))) == (INVALID, "options")
     after = target.health()
     assert (after.kv_bytes, after.options_taken) == (before.kv_bytes, before.options_taken)  # "first" is still provisional
+    assert after.options_offered == before.options_offered + 2
     probe.check(pb.Verification.FromString(call(target, "Verify", offered(other_bonus, right))), following, "second")
-    assert target.health().options_taken == before.options_taken + 1
+    assert (target.health().options_offered, target.health().options_taken) == (before.options_offered + 3, before.options_taken + 1)
     call(target, "Release", pb.Release(ref=probe.ref()))
 
 

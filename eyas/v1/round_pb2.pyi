@@ -310,7 +310,7 @@ class WorkerHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "forwards", "forward_calls", "forward_seconds", "options_taken")
+    __slots__ = ("role", "manifest_id", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "forwards", "forward_calls", "forward_seconds", "options_offered", "options_taken")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,7 @@ class WorkerHealth(_message.Message):
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_OFFERED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     role: str
     manifest_id: str
@@ -332,8 +333,9 @@ class WorkerHealth(_message.Message):
     forwards: int
     forward_calls: int
     forward_seconds: float
+    options_offered: int
     options_taken: int
-    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., options_taken: _Optional[int] = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., manifest_id: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., options_offered: _Optional[int] = ..., options_taken: _Optional[int] = ...) -> None: ...
 
 class CallBatch(_message.Message):
     __slots__ = ("method", "calls", "id")

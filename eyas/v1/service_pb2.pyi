@@ -145,7 +145,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "state", "node_id", "address", "pid", "assigned", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "ranks", "forwards", "forward_calls", "forward_seconds", "options_taken")
+    __slots__ = ("worker_id", "state", "node_id", "address", "pid", "assigned", "sessions", "kv_bytes", "rss_bytes", "calls", "busy_seconds", "ranks", "forwards", "forward_calls", "forward_seconds", "options_offered", "options_taken")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class WorkerStatus(_message.Message):
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_OFFERED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: str
@@ -177,8 +178,9 @@ class WorkerStatus(_message.Message):
     forwards: int
     forward_calls: int
     forward_seconds: float
+    options_offered: int
     options_taken: int
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., assigned: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., options_taken: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., assigned: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., forwards: _Optional[int] = ..., forward_calls: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., options_offered: _Optional[int] = ..., options_taken: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node_id", "pid", "device", "weight_bytes", "kv_pool_bytes")
