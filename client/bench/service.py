@@ -91,6 +91,7 @@ def one_at_a_time(
     rounds = tokens = local_hits = remote_hits = remote_rounds = off_rounds = 0
     identical, outputs = True, []
     pids = service_pids(client)
+    offers = options_counters(client)
     for prompt in prompts:
         if ahead_off is not None:
             started = time.perf_counter()
@@ -131,6 +132,8 @@ def one_at_a_time(
         "service_cpu_ms_per_round": 1e3 * remote_cpu / remote_rounds,
         "in_process_ahead_hit_rate": local_hits / rounds,
         "service_ahead_hit_rate": remote_hits / remote_rounds,
+        # rounds whose tree the target took from trees offered while it verified the last (docs/wire.md, step 8)
+        "service_options_taken_rate": (options_counters(client)[1] - offers[1]) / remote_rounds,
     }
     if ahead_off is not None:
         record["in_process_ahead_off_ms_per_round"] = 1e3 * off_wall / off_rounds
@@ -179,6 +182,12 @@ def busy_seconds(client: Client) -> dict[str, float]:
     """Compute seconds each pool's workers have spent serving calls, per worker on average."""
     pools = client.status()["pools"]
     return {p["name"]: sum(w["busy_seconds"] for w in p["workers"]) / len(p["workers"]) for p in pools}
+
+
+def options_counters(client: Client) -> tuple[int, int]:
+    """The target workers' Verify calls with options and those served from one, summed."""
+    target = next(p for p in client.status()["pools"] if p["name"] == "target")["workers"]
+    return sum(w["options_offered"] for w in target), sum(w["options_taken"] for w in target)
 
 
 def forward_counters(client: Client) -> dict[str, tuple[int, int, float]]:
@@ -272,14 +281,17 @@ def ahead_sweep(config: ServiceConfig, make_engine, prompts: list[list[int]], ar
         with Service(replace(config, draft_ahead=trees), port=0) as service, Client(service.address) as client:
             client.generate(prompts[0], max_new_tokens=8)  # warm-up
             started, rounds, hits, tokens = time.perf_counter(), 0, 0, 0
+            offers = options_counters(client)
             for prompt in prompts:
                 result = client.generate(prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                 rounds, hits, tokens = rounds + result.stats["rounds"], hits + result.stats["ahead_rounds"], tokens + len(result.token_ids)
             wall = time.perf_counter() - started
+            taken = options_counters(client)[1] - offers[1]
         local = [engine.generate(p, max_new_tokens=args.max_new_tokens, stop_at_eos=False).stats for p in prompts]
         sweep.append({
             "trees": trees,
             "service_hit_rate": hits / rounds,
+            "service_options_taken_rate": taken / rounds,
             "service_tokens_per_s": tokens / wall,
             "in_process_hit_rate": sum(g.ahead_rounds for g in local) / sum(g.rounds for g in local),
         })
@@ -376,6 +388,7 @@ def run(args: argparse.Namespace) -> dict:
             "service_cpu_ms_per_round_coordinator_and_workers": median(sequential, "service_cpu_ms_per_round"),
             "in_process_ahead_hit_rate": median(sequential, "in_process_ahead_hit_rate"),
             "service_ahead_hit_rate": median(sequential, "service_ahead_hit_rate"),
+            "service_options_taken_rate": median(sequential, "service_options_taken_rate"),
         },
         "throughput": {
             "in_process_tokens_per_s": median(sequential, "in_process_tokens_per_s"),
