@@ -1,9 +1,11 @@
 """The target worker: target weights and target KV per request, provisional branch KV until commit.
 
 Serves Prefill (commit the KV of the committed tokens, return their features), Verify (apply a
-carried Commit, then verify a tree: the acceptance decision plus the accepted rows' features; or,
-of trees offered ahead as `options`, the one that builds on the outcome decided) and Commit. Each Verify names its round (`round_id`); a Commit must name the round whose
-provisional tree it commits, and a Verify never replaces a provisional tree of another round. Sessions are `eyas.target.TargetSession`s. A tree is checked once, on receipt,
+carried Commit, then verify a tree: the acceptance decision plus the accepted rows' features; of
+trees offered as `options`, the one that builds on the outcome decided) and Commit. Each Verify
+names its round (`round_id`); a Commit must name the round whose provisional tree it commits, and
+a Verify never replaces a provisional tree of another round. Sessions are
+`eyas.target.TargetSession`s. A tree is checked once, on receipt,
 with `validate_tree` (structure, the service's verify budget, the committed prefix); a tree arriving
 with a commit is checked against the state after that commit before the commit is applied, so a
 refused message changes nothing.
@@ -259,8 +261,8 @@ class TargetWorker(Worker):
         clock.lap("decode")
         if commit is not None:
             self.apply_commit(request_id, session, commit)
-        self.options_taken += bool(field)
         verification = yield from session.verify_steps(tree, msg.ref.version, params)
+        self.options_taken += bool(field)
         decision = verification.decision
         self.provisional_round[request_id] = msg.round_id
         outcome = tuple(map(int, (*decision.accepted_tokens, decision.frontier_token)))

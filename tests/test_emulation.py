@@ -136,11 +136,15 @@ def test_tree_rows_score_as_their_paths_would_alone(engine):
     target.pool.release(slot)
 
 
-def test_the_drafters_candidates_are_the_laws_whether_its_step_drew_them_or_not(engine):
-    """A step draws its rows' candidates inside its hold; asked for any states, the drafter answers with the law's."""
+def test_the_drafters_candidates_are_the_laws_whether_its_step_drew_them_or_not():
+    """A step of some device time draws its rows' candidates inside its hold (one of no time leaves them to be drawn
+    when asked for); asked for any states, the drafter answers with the law's."""
+    profile = profile_from_dict({"target": {"fixed_ms": 0.01}, "draft": {"fixed_ms": 0.01}})
+    engine = Engine.emulated(profile, tree={"width": 4, "depth": 4, "budget": 12})
     drafter = engine.draft.drafter
     engine.generate([3, 1, 4, 1, 5], max_new_tokens=8)
     drawn = drafter._drawn[0]  # the last step's rows
+    assert len(drawn) > 0
     for states in (drawn[:5], torch.cat([drawn[:5], torch.tensor([12345, 777])])):
         for k in (1, 4, 40):
             tokens, probs = drafter.top_candidates(states[:, None].float(), k)

@@ -142,7 +142,8 @@ class HeadLayout:
 class SyntheticDrafter(nn.Module):
     """A drafter whose step holds `device` for `cost` and whose state is each row's context hash: the law's
     candidates follow from it. It reads no target features (they only cross the wire). A step draws its rows'
-    candidates inside its hold, as a drafter's head runs inside its step on the device (docs/emulation.md)."""
+    candidates inside its hold, as a drafter's head runs inside its step on the device (docs/emulation.md); a step of
+    no time (`null`) leaves them to be drawn when asked for."""
 
     bound = False
     attention = HeadLayout()
@@ -164,15 +165,17 @@ class SyntheticDrafter(nn.Module):
     def step(self, states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: SlotBatch, mask: torch.Tensor) -> torch.Tensor:
         """Tokens and positions [B, N] over `kv`, what rows see `mask` [B, 1, N, K] -> each row's hash [B, N, 1]."""
         keys = [s + n for s, n in zip(kv.starts, kv.lengths)]
-        with self.emulated.hold(self.cost.seconds(sum(kv.lengths), keys)):
+        seconds = self.cost.seconds(sum(kv.lengths), keys)
+        with self.emulated.hold(seconds):
             hashes = row_hashes(tokens, positions, kv, mask, self.law.context)  # [B, N]
-            drawn = hashes.flatten().unique()  # sorted
-            self._drawn = (drawn, *draft_candidates(drawn, self.law, self.law.ranked))
+            if seconds > 0:  # in the device's time (a step of no time leaves them to `top_candidates`)
+                drawn = hashes.flatten().unique()  # sorted
+                self._drawn = (drawn, *draft_candidates(drawn, self.law, self.law.ranked))
             return hashes.float()[..., None]  # exact: hashes < 2^24
 
     def top_candidates(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Q, 1] states -> the law's k likeliest tokens [Q, k] and their probabilities [Q, k] float64 (drawn by the
-        last step when it made them all)."""
+        last step of some device time when it made them all)."""
         h = states[:, 0].long()
         drawn, tokens, probs = self._drawn
         if len(drawn):
