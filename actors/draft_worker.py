@@ -37,6 +37,7 @@ from eyas.runtime.batch import Operation
 from eyas.steps import Steps
 from eyas.rpc import call_metadata, field_of
 from eyas.tree import FlattenedTree, TreeError, TreePolicy
+from eyas.verify import accepted_path
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
@@ -436,17 +437,23 @@ class DraftWorker(Worker):
         goes on to the decided outcome's as it decides (docs/wire.md, "Rounds", step 8)."""
         for request_id, drafted in list(self.offerable.items()):
             session = self.sessions.get(request_id)
-            job = None if session is None else session.ahead_job
-            if session is not None and (not drafted.request.next_round_id or job is None or not job.done()):
+            if session is None:
+                del self.offerable[request_id]
+                continue
+            if not drafted.request.next_round_id or session.ahead_job is None or not session.ahead_job.done():
                 continue  # its Round or the trees are still to come
             del self.offerable[request_id]
-            if session is None:
-                continue
             ref = wire.ref(request_id, drafted.ref.version + 1, drafted.ref.manifest_id)
+            depths = drafted.tree.depths.tolist()
             outcomes, options = {}, []
             for key, grown in session.ahead.items():
-                rows = drafted.tree.path_of(grown.proposal.assumed[0]) if grown.proposal.assumed is not None else None
-                if key[0] == ref.version and key[3] == drafted.policy and rows is not None:
+                if grown.proposal.assumed is None or key != ahead_key(ref.version, *grown.proposal.assumed, drafted.policy):
+                    continue  # the decided outcome's, drafted after its verification
+                accepted, bonus = grown.proposal.assumed
+                outcome = (*accepted, bonus)
+                # the rows the target accepts for that outcome, as its verification walks the tree
+                rows, picked = accepted_path(drafted.tree, lambda row: outcome[depths[row]] if depths[row] < len(outcome) else -1)
+                if len(rows) == len(outcome) and picked == bonus:
                     outcomes[key] = grown
                     commit = pb.Commit(ref=drafted.ref, accepted_rows=rows, round_id=drafted.request.round_id)
                     options.append(pb.VerifyOption(tree=wire.proposed_tree_to_proto(grown.proposal, ref), commit=commit))

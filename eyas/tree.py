@@ -233,17 +233,6 @@ class FlattenedTree:
         """Rows from the root to `row` inclusive."""
         return path_to(self.parents.tolist(), row)
 
-    def path_of(self, tokens: Sequence[int]) -> list[int] | None:
-        """Rows of the root-to-node path whose tokens after the root are `tokens` (None: no such path)."""
-        parents, own = self.parents.tolist(), self.tokens.tolist()
-        path = [0]
-        for token in tokens:
-            row = next((r for r, p in enumerate(parents) if p == path[-1] and own[r] == token), None)
-            if row is None:
-                return None
-            path.append(row)
-        return path
-
 
 def ancestry_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children)."""
