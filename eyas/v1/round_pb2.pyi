@@ -134,14 +134,13 @@ class Publish(_message.Message):
     def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., round_id: _Optional[str] = ..., accepted_rows: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundReply(_message.Message):
-    __slots__ = ("ref", "proposal", "verify_request", "verification", "target_seconds", "target_forwards", "target_wait", "sent_ahead_s")
+    __slots__ = ("ref", "proposal", "verify_request", "verification", "target_seconds", "target_forwards", "sent_ahead_s")
     REF_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_REQUEST_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
-    TARGET_WAIT_FIELD_NUMBER: _ClassVar[int]
     SENT_AHEAD_S_FIELD_NUMBER: _ClassVar[int]
     ref: _tensor_pb2.RequestRef
     proposal: Proposal
@@ -149,9 +148,8 @@ class RoundReply(_message.Message):
     verification: bytes
     target_seconds: _containers.RepeatedScalarFieldContainer[float]
     target_forwards: _containers.RepeatedCompositeFieldContainer[ForwardCost]
-    target_wait: float
     sent_ahead_s: float
-    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., verify_request: _Optional[bytes] = ..., verification: _Optional[bytes] = ..., target_seconds: _Optional[_Iterable[float]] = ..., target_forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., target_wait: _Optional[float] = ..., sent_ahead_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, ref: _Optional[_Union[_tensor_pb2.RequestRef, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., verify_request: _Optional[bytes] = ..., verification: _Optional[bytes] = ..., target_seconds: _Optional[_Iterable[float]] = ..., target_forwards: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., sent_ahead_s: _Optional[float] = ...) -> None: ...
 
 class DraftRecords(_message.Message):
     __slots__ = ("tokens", "parents", "confidences", "row_nodes")
