@@ -3,11 +3,13 @@ pool"; "Drafting ahead"). A committed draft row t holds (feature f_t, advanced t
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
@@ -22,7 +24,7 @@ from .drafters.layers import MLP, Attention, RMSNorm, frozen_product, rms_norm, 
 from .errors import VersionError
 from .outcomes import Calibration, grown_together, likeliest_outcomes, observed_acceptance
 from .rounds import Proposal
-from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, merge_calls, pack, padding_groups, split_rows
+from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
 from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
@@ -30,7 +32,7 @@ from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
 from .runtime.script import script, unoptimized
 from .steps import Forward, Steps, run_alone
-from .tree import DraftTree, TreeError, TreePolicy, flatten
+from .tree import LOG_FLOOR, DraftTree, TreeError, TreePolicy, flatten
 from .treerows import path_to
 
 # runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`)
@@ -252,14 +254,57 @@ class DraftModel:
         return results
 
 
-@dataclass
 class Grown:
-    """A grown tree's proposal with the drafter states and draft-KV rows of its nodes (what drafting ahead extends)."""
+    """A grown tree's proposal with the drafter states and draft-KV rows of its nodes (what drafting ahead extends),
+    read out (`nodes`) only when asked: a tree of a forest has them in the forest's arrays (`_grow_forest`)."""
 
-    proposal: Proposal
-    states: dict[int, torch.Tensor]
-    path_rows: dict[int, list[int]]
-    end: int  # the session's written rows once it was grown
+    def __init__(self, proposal: Proposal, end: int, nodes: Callable[[], tuple[dict[int, torch.Tensor], dict[int, list[int]]]]):
+        self.proposal = proposal
+        self.end = end  # the session's written rows once it was grown
+        self._nodes = nodes
+
+    @cached_property
+    def _read(self) -> tuple[dict[int, torch.Tensor], dict[int, list[int]]]:
+        return self._nodes()
+
+    @property
+    def states(self) -> dict[int, torch.Tensor]:
+        """Expanded node -> the drafter output predicting its children."""
+        return self._read[0]
+
+    @property
+    def path_rows(self) -> dict[int, list[int]]:
+        """Expanded node -> the draft-KV rows of its path, its own last."""
+        return self._read[1]
+
+
+@dataclass
+class Seed:
+    """One tree of a forest (`DraftSession._grow_forest`): its root token and state [d], the draft rows the root sees
+    (its own last), its target prefix, the root's top-width children ([1, width] ids, probabilities) and when it
+    stops growing."""
+
+    token: int
+    state: torch.Tensor
+    base_rows: list[int]
+    prefix_len: int
+    candidates: tuple[torch.Tensor, torch.Tensor] | None  # None: a policy that drafts nothing
+    stop: Callable[[], bool]
+
+
+def forest_nodes(
+    seed: Seed, tree: DraftTree, levels: list[np.ndarray], rows: np.ndarray, states: torch.Tensor, shift: int
+) -> tuple[dict[int, torch.Tensor], dict[int, list[int]]]:
+    """A forest tree's expanded nodes as `DraftSession._grow` keeps them: each one's state and the draft rows of its
+    path. `rows`: node -> its index among the forest's roots and then drafted rows (`states` [.., d]); a drafted row's
+    index plus `shift` is its draft-KV row."""
+    node_states, path_rows = {0: seed.state}, {0: list(seed.base_rows)}
+    for nodes in levels:
+        for node in nodes.tolist():
+            index = int(rows[node])
+            node_states[node] = states[index]
+            path_rows[node] = path_rows[tree.parents[node]] + [index + shift]
+    return node_states, path_rows
 
 
 def ahead_key(version: int, accepted: Sequence[int], bonus: int, policy: TreePolicy) -> tuple:
@@ -494,7 +539,7 @@ class DraftSession:
         states = {0: root_state}  # node -> drafter output predicting its children
         path_rows: dict[int, list[int]] = {0: list(base_rows)}  # expanded node -> draft-KV rows of its path
         if root_state is None or policy.depth == 0 or policy.budget == 0:
-            return Grown(Proposal(flatten(tree, [], prefix_len), 0, 1, 0, 0.0, tree, [0]), states, path_rows, self.written)
+            return Grown(Proposal(flatten(tree, [], prefix_len), 0, 1, 0, 0.0, tree, [0]), self.written, lambda: (states, path_rows))
         expanded_count = 0
         expanded = [0]
         tree_seconds = 0.0
@@ -521,7 +566,7 @@ class DraftSession:
         tree_seconds += time.perf_counter() - start
         draft_kv_bytes = self.model.pool.row_bytes * expanded_count
         proposal = Proposal(flat, expanded_count, len(tree), draft_kv_bytes, tree_seconds, tree, [0, *selected])
-        return Grown(proposal, states, path_rows, self.written)
+        return Grown(proposal, self.written, lambda: (states, path_rows))
 
     @torch.no_grad()
     def _draft_ahead(self, version: int, grown: "Grown", policy: TreePolicy) -> Steps[None]:
@@ -552,11 +597,11 @@ class DraftSession:
                 policy.width if policy.depth > 0 and policy.budget > 0 else 0,
             )  # states [T, d], each root's candidates [T, width]
             paths = [tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:]) for _, n, _ in outcomes]
-            growths = [
-                self._grow(
-                    b, roots.states[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1, policy,
+            seeds = [
+                Seed(
+                    b, roots.states[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1,
                     None if roots.tokens is None else (roots.tokens[i : i + 1], roots.probs[i : i + 1]),
-                    stop=lambda outcome=(paths[i], b): not self._growing(outcome),
+                    lambda outcome=(paths[i], b): not self._growing(outcome),
                 )
                 for i, (_, n, b) in enumerate(outcomes)
             ]
@@ -565,7 +610,7 @@ class DraftSession:
             # mid-way (trees grown together finish together, unless the decision stops the others); then the others
             together = grown_together(*self.model.ahead_curve, policy.width, len(outcomes)) if self.model.ahead_curve else 1
             for first, last in ((0, together), (together, len(outcomes))):
-                built_trees = yield from self._grow_together(growths[first:last])
+                built_trees = yield from self._grow_forest(seeds[first:last], policy)
                 for path, (_, _, b), built in zip(paths[first:last], outcomes[first:last], built_trees):
                     if built is not None:  # None: stopped, another outcome was decided
                         built.proposal.assumed = (path, b)
@@ -578,30 +623,122 @@ class DraftSession:
         except Cancelled:
             pass  # ended at its next forward: the trees built stay
 
-    def _grow_together(self, growths: list[Steps["Grown | None"]]) -> Steps[list["Grown | None"]]:
-        """Grow several trees of this session level by level, each level's calls (rows that follow one another in the
-        slot) merged into one."""
-        grown: list = [None] * len(growths)
-        asked: dict[int, Forward] = {}
+    def _grow_forest(self, seeds: list[Seed], policy: TreePolicy) -> Steps[list["Grown | None"]]:
+        """Grow the trees of `seeds` as `_grow` grows each (the same nodes, ranks and rows), each level of all of them
+        in one drafter call and their records in arrays, so that a tree costs the host a few array rows a level
+        rather than its own pass of bookkeeping (docs/runtime.md, "Drafting ahead"). A tree whose `stop` says so
+        before a drafter step is None."""
+        if not seeds or policy.depth == 0 or policy.budget == 0:  # no drafting: each tree is its root
+            grown = []
+            for seed in seeds:
+                grown.append((yield from self._grow(seed.token, seed.state, seed.base_rows, seed.prefix_len, policy)))
+            return grown
+        n_trees, width, committed, first_row = len(seeds), policy.width, self.committed, self.written
+        size = 1 + width + (policy.depth - 1) * width * width  # nodes of a full tree
+        tokens = np.zeros((n_trees, size), np.int64)
+        parents = np.full((n_trees, size), -1, np.int64)
+        depths = np.zeros((n_trees, size), np.int64)
+        confidences = np.ones((n_trees, size))
+        values = np.zeros((n_trees, size))  # log path values
+        tokens[:, 0] = [seed.token for seed in seeds]
+        count, frontier = [1] * n_trees, [(0, 1)] * n_trees  # nodes so far and the last level's, per tree
+        # each tree's root, then each drafted row (in row order): the draft rows it sees, by column `row - committed`
+        most = n_trees * width * (policy.depth - 1)
+        seen = np.zeros((n_trees + most, first_row - committed + most), dtype=bool)
+        for t, seed in enumerate(seeds):
+            seen[t, np.asarray(seed.base_rows, dtype=np.int64) - committed] = True
+        row = np.zeros((n_trees, size), np.int64)  # expanded node -> its index in `seen` and among the states
+        row[:, 0] = np.arange(n_trees)
+        level_states = [torch.stack([seed.state for seed in seeds])]  # [T, d], then each level's [Q, d]
+        levels: list[list[np.ndarray]] = [[] for _ in seeds]  # each tree's expanded nodes, level by level
+        bookkeeping = 0.0
 
-        def resume(i: int, value) -> None:
-            try:
-                asked[i] = growths[i].send(value)
-            except StopIteration as stop:
-                grown[i] = stop.value
+        def add_children(trees: list[int], nodes: list[np.ndarray], ids: torch.Tensor, probs: torch.Tensor) -> None:
+            """Each node's top-width candidates (ids, probs [Q, width]) as its children, in `DraftTree.add_expansion`'s
+            order and with its values (math.log of the floored probability, as it takes them)."""
+            q = probs.double().numpy()  # [Q, width]
+            valid = (q >= 0.0) & (q <= 1.0)  # NaN fails the comparison too
+            if not valid.all():
+                raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
+            logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
+            ids, at = ids.numpy(), 0
+            for t, expanded in zip(trees, nodes):
+                m, first = len(expanded), count[t]
+                new = slice(first, first + m * width)
+                tokens[t, new] = ids[at : at + m].ravel()
+                parents[t, new] = np.repeat(expanded, width)
+                depths[t, new] = np.repeat(depths[t, expanded] + 1, width)
+                confidences[t, new] = q[at : at + m].ravel()
+                values[t, new] = (values[t, expanded][:, None] + logs[at : at + m]).ravel()
+                frontier[t], count[t], at = (first, first + m * width), first + m * width, at + m
 
-        for i in range(len(growths)):
-            resume(i, None)
-        while asked:
-            order, calls = list(asked), [forward.call for forward in asked.values()]  # in the order rows were reserved
-            asked.clear()
-            out = yield Forward(self.model, merge_calls(calls))
-            lengths = [int(c.tokens.shape[0]) for c in calls]
-            states = split_rows(out.states, lengths)
-            tokens = split_rows(out.tokens, lengths) if out.tokens is not None else [None] * len(calls)
-            probs = split_rows(out.probs, lengths) if out.probs is not None else [None] * len(calls)
-            for i, s, t, p in zip(order, states, tokens, probs):
-                resume(i, DraftRows(s, t, p))
+        start = time.perf_counter()
+        root_ids, root_probs = (torch.cat(c) for c in zip(*(seed.candidates for seed in seeds)))  # [T, width]
+        add_children(list(range(n_trees)), [np.zeros(1, np.int64)] * n_trees, root_ids, root_probs)
+        bookkeeping += time.perf_counter() - start
+        trees, stopped = list(range(n_trees)), set()  # the trees still growing; those told to stop
+        floor = math.log(policy.stop) if policy.stop > 0.0 else None
+        done = n_trees  # rows in `seen` and among the states so far
+        for _ in range(1, policy.depth):
+            stopped.update(t for t in trees if seeds[t].stop())
+            growing, trees, nodes = [t for t in trees if t not in stopped], [], []
+            for t in growing:  # `DraftTree.expandable`: the frontier's best, ties to the earlier node
+                first, end = frontier[t]
+                best = first + np.argsort(-values[t, first:end], kind="stable")[:width]
+                if floor is not None:
+                    best = best[values[t, best] >= floor]
+                if len(best):  # else the tree is done
+                    trees.append(t)
+                    nodes.append(best)
+            if not trees:
+                break
+            base = self.written
+            parent_rows = np.concatenate([row[t, parents[t, n]] for t, n in zip(trees, nodes)])  # [Q]
+            n_rows = len(parent_rows)
+            view = seen[parent_rows]  # [Q, columns]: each parent's view, then the row itself
+            view[np.arange(n_rows), base - committed + np.arange(n_rows)] = True
+            seen[done : done + n_rows] = view
+            visible = np.empty((n_rows, base + n_rows), dtype=bool)
+            visible[:, :committed] = True
+            visible[:, committed:] = view[:, : base + n_rows - committed]
+            last = level_states[-1]  # every parent was expanded at the level before (or is a root)
+            hidden = last[torch.from_numpy(parent_rows - (done - len(last)))]  # [Q, d]
+            at = done
+            for t, n in zip(trees, nodes):
+                row[t, n] = np.arange(at, at + len(n))
+                levels[t].append(n)
+                at += len(n)
+            call = RowsCall(
+                self.slot, base, torch.from_numpy(np.concatenate([tokens[t, n] for t, n in zip(trees, nodes)])),
+                torch.from_numpy(np.concatenate([seeds[t].prefix_len - 1 + depths[t, n] for t, n in zip(trees, nodes)])),
+                torch.from_numpy(visible), hidden, width,
+            )
+            out = yield from self._run(call)
+            start = time.perf_counter()
+            level_states.append(out.states)
+            done += n_rows
+            add_children(trees, nodes, out.tokens, out.probs)
+            bookkeeping += time.perf_counter() - start
+        start = time.perf_counter()
+        states = torch.cat(level_states)  # [roots + drafted rows, d]
+        grown: list[Grown | None] = [None] * n_trees
+        for t in range(n_trees):
+            if t in stopped:
+                continue
+            n = count[t]
+            tree = DraftTree.of_records(
+                tokens[t, :n].tolist(), parents[t, :n].tolist(), depths[t, :n].tolist(), confidences[t, :n].tolist(),
+                values[t, :n].tolist(), list(range(*frontier[t])),
+            )
+            selected = (1 + np.argsort(-values[t, 1:n], kind="stable")[: policy.budget]).tolist()  # `DraftTree.select`
+            expanded = sum(map(len, levels[t]))
+            flat = flatten(tree, selected, seeds[t].prefix_len)
+            proposal = Proposal(flat, expanded, n, self.model.pool.row_bytes * expanded, 0.0, tree, [0, *selected])
+            read = lambda t=t, tree=tree: forest_nodes(seeds[t], tree, levels[t], row[t], states, first_row - n_trees)
+            grown[t] = Grown(proposal, self.written, read)
+        built = [g for g in grown if g is not None]
+        for g in built:  # each tree's share of the host's bookkeeping
+            g.proposal.tree_seconds = (bookkeeping + time.perf_counter() - start) / len(built)
         return grown
 
     def _settle_ahead(self) -> None:
@@ -648,7 +785,7 @@ class DraftSession:
         """Write `call`'s rows into this session's slot and return their drafter outputs."""
         end = call.start + call.tokens.shape[0]
         self.model.pool.check_fits(end)
-        self.written = end  # reserved as asked, so that trees grown together take rows that follow one another
+        self.written = end  # reserved as asked
         try:
             return (yield Forward(self.model, call))
         except Exception:  # the forward failed: its rows were not written

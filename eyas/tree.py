@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .errors import renamed
-from .treerows import TreeError, TreeRows, ancestry, check_tree, children, leaf_paths, path_to
+from .treerows import TreeError, TreeRows, check_tree, children, path_to
 
 TREE_ABI_VERSION = 1
 LOG_FLOOR = 1e-12  # ranking floor for log(confidence); the stored probability is never changed
@@ -113,6 +113,18 @@ class DraftTree:
             tree.confidences.append(q)
             tree.log_values.append(tree.log_values[parent] + math.log(max(q, LOG_FLOOR)))
         tree.frontier = []
+        return tree
+
+    @classmethod
+    def of_records(
+        cls, tokens: list[int], parents: list[int], depths: list[int], confidences: list[float], log_values: list[float],
+        frontier: list[int],
+    ) -> "DraftTree":
+        """A tree grown by `add_expansion`'s rules elsewhere (a forest's arrays, `DraftSession._grow_forest`), its
+        records as they would stand here: taken as they are."""
+        tree = cls(tokens[0])
+        tree.tokens, tree.parents, tree.depths, tree.confidences, tree.log_values = tokens, parents, depths, confidences, log_values
+        tree.frontier = frontier
         return tree
 
     def ranked(self, nodes: list[int]) -> list[int]:
@@ -234,18 +246,31 @@ class FlattenedTree:
         return path_to(self.parents.tolist(), row)
 
 
-def ancestry_mask(parents: list[int]) -> torch.Tensor:
-    """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children)."""
+def ancestry_mask(parents: Sequence[int], depths: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children; `depths` [N] the rows'
+    depths below the root)."""
+    parents, depths = np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64)
     mask = np.eye(len(parents), dtype=np.bool_)
-    for i, p in enumerate(parents[1:], 1):
-        mask[i] |= mask[p]  # a parent's row is complete before its children's
+    for depth in range(1, int(depths.max(initial=0)) + 1):  # a level at a time: its parents' rows are complete
+        rows = np.flatnonzero(depths == depth)
+        mask[rows] |= mask[parents[rows]]
     return torch.from_numpy(mask)
 
 
-def retrieve_paths(parents: list[int]) -> torch.Tensor:
-    """[L, max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1."""
-    paths = leaf_paths(parents)
-    return torch.tensor(paths, dtype=torch.long).reshape(len(paths), len(paths[0]) if paths else 0)
+def retrieve_paths(parents: Sequence[int], depths: Sequence[int]) -> torch.Tensor:
+    """[L, max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1 (`eyas.treerows.leaf_paths`)."""
+    parents, depths = np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64)
+    is_parent = np.zeros(len(parents), dtype=np.bool_)
+    is_parent[parents[parents >= 0]] = True
+    leaves = np.flatnonzero(~is_parent)
+    width = int(depths[leaves].max(initial=-1)) + 1
+    paths = np.full((len(leaves), width), -1, dtype=np.int64)
+    at, places = leaves, np.arange(len(leaves))
+    for column in range(width - 1, -1, -1):  # leaf, parent, ... root: each at its depth's column
+        here = depths[at] == column
+        paths[places[here], column] = at[here]
+        at = np.where(here, parents[at], at)
+    return torch.from_numpy(paths)
 
 
 def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedTree:
@@ -257,14 +282,15 @@ def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedT
         row_of[node] = len(row_of)
     nodes = [0, *selected]
     parents = [-1] + [row_of[tree.parents[n]] for n in selected]
-    depths = torch.tensor([tree.depths[n] for n in nodes], dtype=torch.long)
+    row_depths = [tree.depths[n] for n in nodes]
+    depths = torch.tensor(row_depths, dtype=torch.long)
     return FlattenedTree(
         tokens=torch.tensor([tree.tokens[n] for n in nodes], dtype=torch.long),
         parents=torch.tensor(parents, dtype=torch.long),
         depths=depths,
         positions=depths + prefix_len,
-        mask=ancestry_mask(parents),
-        retrieve=retrieve_paths(parents),
+        mask=ancestry_mask(parents, row_depths),
+        retrieve=retrieve_paths(parents, row_depths),
         draft_probs=torch.tensor([tree.confidences[n] for n in nodes], dtype=torch.float64),
         prefix_len=prefix_len,
     )

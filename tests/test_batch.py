@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from eyas import Engine
 from eyas.errors import RequestError
-from eyas.runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Lockstep, RowsCall, Scheduler, merge_calls, padding_groups
+from eyas.runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Lockstep, RowsCall, Scheduler, padding_groups
 from eyas.runtime.kv import slot_runs
 from eyas.steps import Forward
 from eyas.target import TargetSession
@@ -103,37 +103,6 @@ def test_operations_in_flight_together_run_as_one_batch(world):
     for one, op in zip(alone, ops):
         assert op.error is None
         assert torch.allclose(one, op.result, atol=1e-5)
-
-
-def test_merged_calls_of_one_slot_give_each_call_what_it_gets_alone(world):
-    """Rows of one session that follow one another in its slot (trees grown together) run as one call: every row
-    sees what its own call showed it, so states and top-k candidates equal each call run by itself."""
-    target, drafter, _ = world
-    draft = Engine.from_pretrained(target, drafter).draft
-    slot = draft.pool.acquire(64)
-    try:
-        generator = torch.Generator().manual_seed(3)
-        d, dtype = draft.drafter.hidden_size, draft.drafter.dtype  # states come in the drafter's dtype
-        prefix = 10
-        draft.run([RowsCall(slot, 0, torch.arange(5, 15), torch.arange(prefix), torch.ones(prefix, prefix).tril().bool(),
-                            torch.randn(prefix, d, generator=generator).to(dtype))])
-        calls, start = [], prefix
-        for n in (3, 1, 4):  # each row sees the prefix, one earlier row of its own call and itself
-            visible = torch.zeros(n, start + n, dtype=torch.bool)
-            visible[:, :prefix] = True
-            visible[torch.arange(n), start + torch.arange(n)] = True
-            visible[1:, start] = True
-            calls.append(RowsCall(slot, start, torch.randint(0, 100, (n,), generator=generator), torch.arange(prefix, prefix + n),
-                                  visible, torch.randn(n, d, generator=generator).to(dtype), 3))
-            start += n
-        alone = [draft.run([call])[0] for call in calls]
-        merged = draft.run([merge_calls(calls)])[0]
-        assert torch.allclose(torch.cat([a.states for a in alone]), merged.states, atol=1e-5)
-        assert torch.equal(torch.cat([a.tokens for a in alone]), merged.tokens)
-        with pytest.raises(ValueError, match="follow one another"):
-            merge_calls([calls[0], calls[2]])
-    finally:
-        draft.pool.release(slot)
 
 
 def assert_each_as_alone(model, calls, together):

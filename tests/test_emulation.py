@@ -16,6 +16,10 @@ from eyas.emulation import EmulatedDevice, ProfileError, load_profile
 from eyas.emulation.law import draft_candidates, target_logits
 from eyas.emulation.profile import profile_from_dict
 from eyas.emulation.timed import TimedTarget
+from eyas.proposer import Seed
+from eyas.rounds import start
+from eyas.steps import run_alone
+from eyas.tree import TreePolicy
 
 Z = 4.4  # two-sided normal bound: a false alarm about once in 1e5 checks
 
@@ -150,3 +154,54 @@ def test_the_drafters_candidates_are_the_laws_whether_its_step_drew_them_or_not(
             tokens, probs = drafter.top_candidates(states[:, None].float(), k)
             expected = draft_candidates(states, drafter.law, k)
             assert torch.equal(tokens, expected[0]) and torch.equal(probs, expected[1])
+
+
+@pytest.mark.parametrize("stop", [0.0, 0.02])
+def test_a_forest_grows_each_tree_as_it_would_grow_alone(stop):
+    """Drafting ahead grows its trees as one forest, a level of all of them per drafter call: each is the tree `_grow`
+    grows alone from the same seed (records, values, selection, flattened rows) with the same node states, on the
+    timed drafter, whose state hashes exactly the rows a row sees; a tree told to stop is None, the others unchanged."""
+    policy = TreePolicy(4, 4, 12, stop)
+    engine = Engine.emulated(load_profile("null"), tree=policy)
+    request = engine.new_request(prompts(1, 24, seed=5)[0], max_new_tokens=32)
+    target, draft = engine.sessions(request)
+    start(request, draft, target)
+    verified = run_alone(draft._draft_fresh(request.root_token, policy))
+    tree, nodes, prefix = verified.proposal.draft_tree, verified.proposal.row_nodes, verified.proposal.tree.prefix_len
+    states, path_rows = verified.states, verified.path_rows
+    leaves = [n for n in nodes if n not in states]  # as drafting ahead runs them: every verified node gets a row
+    states.update(zip(leaves, run_alone(draft._expand(tree, leaves, states, path_rows, prefix)).states))
+    chosen = [(nodes[i], 7 + i) for i in (0, 1, 3, len(nodes) - 1)]  # (node, bonus) outcomes, shallow and deep
+    base = draft.written
+    roots = run_alone(draft._run_rows(
+        [path_rows[n] for n, _ in chosen], [b for _, b in chosen], [prefix + tree.depths[n] for n, _ in chosen],
+        torch.stack([states[n] for n, _ in chosen]), policy.width,
+    ))
+    calls = [0]
+
+    def stop_second():
+        calls[0] += 1
+        return calls[0] >= 2  # the second tree, before its second drafter step
+
+    seeds = [
+        Seed(b, roots.states[i], path_rows[n] + [base + i],
+             prefix + tree.depths[n] + 1, (roots.tokens[i : i + 1], roots.probs[i : i + 1]),
+             stop_second if i == 1 else (lambda: False))
+        for i, (n, b) in enumerate(chosen)
+    ]
+    forest = run_alone(draft._grow_forest(seeds, policy))
+    assert forest[1] is None
+    for seed, grown in zip(seeds, forest):
+        if grown is None:
+            continue
+        alone = run_alone(draft._grow(seed.token, seed.state, seed.base_rows, seed.prefix_len, policy, seed.candidates))
+        a, b = grown.proposal, alone.proposal
+        for field in ("tokens", "parents", "depths", "confidences", "log_values"):
+            assert getattr(a.draft_tree, field) == getattr(b.draft_tree, field), field
+        assert a.row_nodes == b.row_nodes and a.nodes_expanded == b.nodes_expanded and a.draft_kv_bytes == b.draft_kv_bytes
+        for field in ("tokens", "parents", "positions", "mask", "retrieve", "draft_probs"):
+            assert torch.equal(getattr(a.tree, field), getattr(b.tree, field)), field
+        assert grown.states.keys() == alone.states.keys()
+        assert all(torch.equal(grown.states[n], alone.states[n]) for n in alone.states)
+        assert {n: len(r) for n, r in grown.path_rows.items()} == {n: len(r) for n, r in alone.path_rows.items()}
+    target.close(), draft.close()

@@ -1,6 +1,7 @@
 """EAGLE-2 tree contract (docs/tree.md): knobs, validation errors, ancestor-closed selection, flatten invariants."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.tree import DraftTree, TreeError, TreePolicy, ancestry_mask, flatten, retrieve_paths, validate_tree
+from eyas.treerows import ancestry, leaf_paths
 
 
 @pytest.mark.parametrize(
@@ -202,5 +204,17 @@ def test_over_budget_and_wrong_prefix_are_refused():
 
 def test_helpers_agree_on_a_chain():
     parents = [-1, 0, 1, 2]
-    assert torch.equal(ancestry_mask(parents), torch.ones(4, 4, dtype=torch.bool).tril())
-    assert retrieve_paths(parents).tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(ancestry_mask(parents, [0, 1, 2, 3]), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert retrieve_paths(parents, [0, 1, 2, 3]).tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_flattened_masks_and_paths_are_the_receipt_checks_own(seed):
+    """The mask and leaf paths `flatten` builds level by level are the ones the receipt check rebuilds row by row."""
+    rng = random.Random(seed)
+    parents = [-1] + [rng.randrange(i) for i in range(1, rng.randrange(1, 40))]
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    assert ancestry_mask(parents, depths).tolist() == ancestry(parents)
+    assert retrieve_paths(parents, depths).tolist() == leaf_paths(parents)

@@ -37,30 +37,6 @@ class RowsCall:
     features: torch.Tensor | None = None  # [N, F] verified target features in place of `states` (seeded in the batch)
 
 
-def merge_calls(calls: list[RowsCall]) -> RowsCall:
-    """Calls on one slot whose rows follow one another (and ask for the same top-k) as one call, each row seeing
-    what it saw in its own; its result split by rows is each call's."""
-    first, last = calls[0], calls[-1]
-    end = last.start + int(last.tokens.shape[0])
-    visible = torch.zeros(end - first.start, end, dtype=torch.bool)  # [sum N, end]
-    at = first.start
-    for call in calls:
-        n = int(call.tokens.shape[0])
-        same_kind = (
-            call.top_k == first.top_k and not call.top_k_last and (call.states is None) == (first.states is None)
-            and call.features is None
-        )
-        if call.slot != first.slot or call.start != at or not same_kind:
-            raise ValueError("merge_calls: calls must share a slot and kind and write rows that follow one another")
-        visible[at - first.start : at - first.start + n, : at + n] = call.visible
-        at += n
-    states = None if first.states is None else torch.cat([c.states for c in calls])  # [sum N, d]
-    return RowsCall(
-        first.slot, first.start, torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls]),
-        visible, states, first.top_k,
-    )
-
-
 @dataclass
 class Packed:
     tokens: torch.Tensor  # [B, N], entries in slot order
