@@ -32,7 +32,7 @@ from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
 from .runtime.script import script, unoptimized
 from .steps import Forward, Steps, run_alone
-from .tree import LOG_FLOOR, DraftTree, TreeError, TreePolicy, flatten
+from .tree import LOG_FLOOR, DraftTree, TreeError, TreePolicy, flatten, flatten_many
 from .treerows import path_to
 
 # runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`)
@@ -290,6 +290,11 @@ class Seed:
     prefix_len: int
     candidates: tuple[torch.Tensor, torch.Tensor] | None  # None: a policy that drafts nothing
     stop: Callable[[], bool]
+
+
+def ragged_arange(sizes: np.ndarray) -> np.ndarray:
+    """0..size-1 for each of `sizes`, end to end: [3, 2] -> [0, 1, 2, 0, 1]."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 def forest_nodes(
@@ -656,21 +661,21 @@ class DraftSession:
         def add_children(trees: list[int], nodes: list[np.ndarray], ids: torch.Tensor, probs: torch.Tensor) -> None:
             """Each node's top-width candidates (ids, probs [Q, width]) as its children, in `DraftTree.add_expansion`'s
             order and with its values (math.log of the floored probability, as it takes them)."""
-            q = probs.double().numpy()  # [Q, width]
+            q = probs.double().cpu().numpy()  # [Q, width]
             valid = (q >= 0.0) & (q <= 1.0)  # NaN fails the comparison too
             if not valid.all():
                 raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
             logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
-            ids, at = ids.numpy(), 0
-            for t, expanded in zip(trees, nodes):
-                m, first = len(expanded), count[t]
-                new = slice(first, first + m * width)
-                tokens[t, new] = ids[at : at + m].ravel()
-                parents[t, new] = np.repeat(expanded, width)
-                depths[t, new] = np.repeat(depths[t, expanded] + 1, width)
-                confidences[t, new] = q[at : at + m].ravel()
-                values[t, new] = (values[t, expanded][:, None] + logs[at : at + m]).ravel()
-                frontier[t], count[t], at = (first, first + m * width), first + m * width, at + m
+            sizes = np.array([len(n) * width for n in nodes])  # children per tree
+            where = np.repeat(trees, sizes), np.repeat([count[t] for t in trees], sizes) + ragged_arange(sizes)  # [C] each
+            parent = np.repeat(np.concatenate(nodes), width)  # [C]
+            tokens[where] = ids.cpu().numpy().ravel()
+            parents[where] = parent
+            depths[where] = depths[where[0], parent] + 1
+            confidences[where] = q.ravel()
+            values[where] = values[where[0], parent] + logs.ravel()
+            for t, size in zip(trees, sizes.tolist()):
+                frontier[t], count[t] = (count[t], count[t] + size), count[t] + size
 
         start = time.perf_counter()
         root_ids, root_probs = (torch.cat(c) for c in zip(*(seed.candidates for seed in seeds)))  # [T, width]
@@ -722,20 +727,24 @@ class DraftSession:
         start = time.perf_counter()
         states = torch.cat(level_states)  # [roots + drafted rows, d]
         grown: list[Grown | None] = [None] * n_trees
+        by_size: dict[int, list[int]] = {}  # trees of as many nodes, flattened together
         for t in range(n_trees):
-            if t in stopped:
-                continue
-            n = count[t]
-            tree = DraftTree.of_records(
-                tokens[t, :n].tolist(), parents[t, :n].tolist(), depths[t, :n].tolist(), confidences[t, :n].tolist(),
-                values[t, :n].tolist(), list(range(*frontier[t])),
-            )
-            selected = (1 + np.argsort(-values[t, 1:n], kind="stable")[: policy.budget]).tolist()  # `DraftTree.select`
-            expanded = sum(map(len, levels[t]))
-            flat = flatten(tree, selected, seeds[t].prefix_len)
-            proposal = Proposal(flat, expanded, n, self.model.pool.row_bytes * expanded, 0.0, tree, [0, *selected])
-            read = lambda t=t, tree=tree: forest_nodes(seeds[t], tree, levels[t], row[t], states, first_row - n_trees)
-            grown[t] = Grown(proposal, self.written, read)
+            if t not in stopped:
+                by_size.setdefault(count[t], []).append(t)
+        for n, group in by_size.items():
+            # `DraftTree.select`: the best `budget` nodes, ties to the earlier node
+            selected = 1 + np.argsort(-values[group, 1:n], axis=1, kind="stable")[:, : policy.budget]  # [G, B]
+            rows = np.concatenate([np.zeros((len(group), 1), np.int64), selected], axis=1)
+            flats = flatten_many(tokens[group], parents[group], depths[group], confidences[group], rows, [seeds[t].prefix_len for t in group])
+            for t, flat, chosen in zip(group, flats, selected.tolist()):
+                tree = DraftTree.of_records(
+                    tokens[t, :n].tolist(), parents[t, :n].tolist(), depths[t, :n].tolist(), confidences[t, :n].tolist(),
+                    values[t, :n].tolist(), list(range(*frontier[t])),
+                )
+                expanded = sum(map(len, levels[t]))
+                proposal = Proposal(flat, expanded, n, self.model.pool.row_bytes * expanded, 0.0, tree, [0, *chosen])
+                read = lambda t=t, tree=tree: forest_nodes(seeds[t], tree, levels[t], row[t], states, first_row - n_trees)
+                grown[t] = Grown(proposal, self.written, read)
         built = [g for g in grown if g is not None]
         for g in built:  # each tree's share of the host's bookkeeping
             g.proposal.tree_seconds = (bookkeeping + time.perf_counter() - start) / len(built)

@@ -246,54 +246,62 @@ class FlattenedTree:
         return path_to(self.parents.tolist(), row)
 
 
-def ancestry_mask(parents: Sequence[int], depths: Sequence[int]) -> torch.Tensor:
-    """[N, N] bool: row i sees row j iff j is i or an ancestor of i (parents precede children; `depths` [N] the rows'
-    depths below the root)."""
-    parents, depths = np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64)
-    mask = np.eye(len(parents), dtype=np.bool_)
-    for depth in range(1, int(depths.max(initial=0)) + 1):  # a level at a time: its parents' rows are complete
-        rows = np.flatnonzero(depths == depth)
-        mask[rows] |= mask[parents[rows]]
-    return torch.from_numpy(mask)
-
-
-def retrieve_paths(parents: Sequence[int], depths: Sequence[int]) -> torch.Tensor:
-    """[L, max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1 (`eyas.treerows.leaf_paths`)."""
-    parents, depths = np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64)
-    is_parent = np.zeros(len(parents), dtype=np.bool_)
-    is_parent[parents[parents >= 0]] = True
-    leaves = np.flatnonzero(~is_parent)
-    width = int(depths[leaves].max(initial=-1)) + 1
-    paths = np.full((len(leaves), width), -1, dtype=np.int64)
-    at, places = leaves, np.arange(len(leaves))
-    for column in range(width - 1, -1, -1):  # leaf, parent, ... root: each at its depth's column
-        here = depths[at] == column
-        paths[places[here], column] = at[here]
-        at = np.where(here, parents[at], at)
-    return torch.from_numpy(paths)
-
-
 def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedTree:
     """Flatten the root plus `selected` nodes (in selection order) into verification rows."""
-    row_of = {0: 0}
+    placed = {0}
     for node in selected:
-        if tree.parents[node] not in row_of:
+        if tree.parents[node] not in placed:
             raise TreeError("parents", f"selected node {node} comes before its parent {tree.parents[node]}")
-        row_of[node] = len(row_of)
-    nodes = [0, *selected]
-    parents = [-1] + [row_of[tree.parents[n]] for n in selected]
-    row_depths = [tree.depths[n] for n in nodes]
-    depths = torch.tensor(row_depths, dtype=torch.long)
-    return FlattenedTree(
-        tokens=torch.tensor([tree.tokens[n] for n in nodes], dtype=torch.long),
-        parents=torch.tensor(parents, dtype=torch.long),
-        depths=depths,
-        positions=depths + prefix_len,
-        mask=ancestry_mask(parents, row_depths),
-        retrieve=retrieve_paths(parents, row_depths),
-        draft_probs=torch.tensor([tree.confidences[n] for n in nodes], dtype=torch.float64),
-        prefix_len=prefix_len,
-    )
+        placed.add(node)
+    records = (np.asarray([x]) for x in (tree.tokens, tree.parents, tree.depths, tree.confidences))
+    return flatten_many(*records, np.asarray([[0, *selected]], dtype=np.int64), [prefix_len])[0]
+
+
+def flatten_many(
+    tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, confidences: np.ndarray, nodes: np.ndarray, prefix_lens: list[int]
+) -> list[FlattenedTree]:
+    """`flatten` for several trees at once: their records [T, N] (parent -1 at the root) and each one's rows `nodes`
+    [T, R] (the root, then an ancestor-closed selection in order), built a level at a time for all of them."""
+    n_trees, n_rows = nodes.shape
+    tree = np.arange(n_trees)[:, None]
+    row_of = np.full(tokens.shape, -1, dtype=np.int64)
+    row_of[tree, nodes] = np.arange(n_rows)
+    row_parents = row_of[tree, parents[tree, nodes]]  # [T, R]
+    row_parents[:, 0] = -1
+    row_depths = depths[tree, nodes].astype(np.int64)  # [T, R]
+    # ancestry closure with the diagonal, a level at a time: a row's parent's row is complete before it
+    mask = np.broadcast_to(np.eye(n_rows, dtype=np.bool_), (n_trees, n_rows, n_rows)).copy()
+    for depth in range(1, int(row_depths.max()) + 1):
+        t, r = np.nonzero(row_depths == depth)
+        mask[t, r] |= mask[t, row_parents[t, r]]
+    # root-to-leaf paths, leaves in row order, padded with -1 to each tree's depth + 1
+    is_parent = np.zeros((n_trees, n_rows), dtype=np.bool_)
+    t, r = np.nonzero(row_parents >= 0)
+    is_parent[t, row_parents[t, r]] = True
+    leaf_tree, at = np.nonzero(~is_parent)  # tree-major, rows in order
+    widths = row_depths.max(axis=1) + 1
+    paths = np.full((len(at), int(widths.max())), -1, dtype=np.int64)
+    for column in range(paths.shape[1] - 1, -1, -1):  # leaf, parent, ... root: each at its depth's column
+        here = row_depths[leaf_tree, at] == column
+        paths[np.flatnonzero(here), column] = at[here]
+        at = np.where(here, row_parents[leaf_tree, at], at)
+    leaves = np.bincount(leaf_tree, minlength=n_trees)
+    row_tokens, row_probs = tokens[tree, nodes].astype(np.int64), confidences[tree, nodes].astype(np.float64)
+    flat, first = [], 0
+    for i in range(n_trees):
+        row_depth = torch.from_numpy(row_depths[i])
+        flat.append(FlattenedTree(
+            tokens=torch.from_numpy(row_tokens[i]),
+            parents=torch.from_numpy(row_parents[i]),
+            depths=row_depth,
+            positions=row_depth + prefix_lens[i],
+            mask=torch.from_numpy(mask[i]),
+            retrieve=torch.from_numpy(np.ascontiguousarray(paths[first : first + leaves[i], : widths[i]])),
+            draft_probs=torch.from_numpy(row_probs[i]),
+            prefix_len=prefix_lens[i],
+        ))
+        first += leaves[i]
+    return flat
 
 
 def validate_tree(

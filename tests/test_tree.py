@@ -3,12 +3,13 @@
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eyas.tree import DraftTree, TreeError, TreePolicy, ancestry_mask, flatten, retrieve_paths, validate_tree
+from eyas.tree import DraftTree, TreeError, TreePolicy, flatten, flatten_many, validate_tree
 from eyas.treerows import ancestry, leaf_paths
 
 
@@ -202,19 +203,31 @@ def test_over_budget_and_wrong_prefix_are_refused():
     assert err.value.field == "tree.prefix_len"
 
 
-def test_helpers_agree_on_a_chain():
-    parents = [-1, 0, 1, 2]
-    assert torch.equal(ancestry_mask(parents, [0, 1, 2, 3]), torch.ones(4, 4, dtype=torch.bool).tril())
-    assert retrieve_paths(parents, [0, 1, 2, 3]).tolist() == [[0, 1, 2, 3]]
+def test_a_chain_flattens_to_a_lower_triangle_and_one_path():
+    tree = DraftTree(5)
+    for token in (6, 7, 8):
+        tree.add_children(tree.frontier, [(tree.frontier[0], token, 0.5)])
+    flat = flatten(tree, [1, 2, 3], prefix_len=4)
+    assert torch.equal(flat.mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert flat.retrieve.tolist() == [[0, 1, 2, 3]]
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_the_flattened_masks_and_paths_are_the_receipt_checks_own(seed):
-    """The mask and leaf paths `flatten` builds level by level are the ones the receipt check rebuilds row by row."""
-    rng = random.Random(seed)
-    parents = [-1] + [rng.randrange(i) for i in range(1, rng.randrange(1, 40))]
-    depths = [0]
-    for p in parents[1:]:
-        depths.append(depths[p] + 1)
-    assert ancestry_mask(parents, depths).tolist() == ancestry(parents)
-    assert retrieve_paths(parents, depths).tolist() == leaf_paths(parents)
+def test_trees_flattened_together_have_the_masks_and_paths_the_receipt_check_rebuilds():
+    """`flatten_many` builds masks and leaf paths a level at a time for many trees at once: each tree's are the ones
+    the receipt check rebuilds row by row, whatever the other trees' shapes."""
+    rng = random.Random(0)
+    trees = []
+    for _ in range(20):
+        parents = [-1] + [rng.randrange(i) for i in range(1, 30)]
+        depths = [0]
+        for p in parents[1:]:
+            depths.append(depths[p] + 1)
+        trees.append((parents, depths))
+    as_array = lambda i: np.asarray([t[i] for t in trees])
+    n = len(trees[0][0])
+    flats = flatten_many(np.zeros((len(trees), n), np.int64), as_array(0), as_array(1), np.ones((len(trees), n)),
+                         np.tile(np.arange(n), (len(trees), 1)), [3] * len(trees))
+    for (parents, _), flat in zip(trees, flats):
+        assert flat.mask.tolist() == ancestry(parents)
+        assert flat.retrieve.tolist() == leaf_paths(parents)
+        assert flat.parents.tolist() == parents
