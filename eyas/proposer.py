@@ -298,14 +298,15 @@ def ragged_arange(sizes: np.ndarray) -> np.ndarray:
 
 
 def forest_nodes(
-    seed: Seed, tree: DraftTree, levels: list[np.ndarray], rows: np.ndarray, states: torch.Tensor, shift: int
+    seed: Seed, tree_index: int, tree: DraftTree, levels: list[tuple[np.ndarray, np.ndarray]], rows: np.ndarray,
+    states: torch.Tensor, shift: int,
 ) -> tuple[dict[int, torch.Tensor], dict[int, list[int]]]:
     """A forest tree's expanded nodes as `DraftSession._grow` keeps them: each one's state and the draft rows of its
-    path. `rows`: node -> its index among the forest's roots and then drafted rows (`states` [.., d]); a drafted row's
-    index plus `shift` is its draft-KV row."""
+    path. `levels`: each level's expanded (tree, node) pairs; `rows`: the tree's node -> its index among the forest's
+    roots and then drafted rows (`states` [.., d]); a drafted row's index plus `shift` is its draft-KV row."""
     node_states, path_rows = {0: seed.state}, {0: list(seed.base_rows)}
-    for nodes in levels:
-        for node in nodes.tolist():
+    for trees, nodes in levels:
+        for node in nodes[trees == tree_index].tolist():
             index = int(rows[node])
             node_states[node] = states[index]
             path_rows[node] = path_rows[tree.parents[node]] + [index + shift]
@@ -646,7 +647,8 @@ class DraftSession:
         confidences = np.ones((n_trees, size))
         values = np.zeros((n_trees, size))  # log path values
         tokens[:, 0] = [seed.token for seed in seeds]
-        count, frontier = [1] * n_trees, [(0, 1)] * n_trees  # nodes so far and the last level's, per tree
+        prefix = np.array([seed.prefix_len for seed in seeds], dtype=np.int64)
+        count, first_new = np.ones(n_trees, np.int64), np.zeros(n_trees, np.int64)  # nodes so far; the last level's first
         # each tree's root, then each drafted row (in row order): the draft rows it sees, by column `row - committed`
         most = n_trees * width * (policy.depth - 1)
         seen = np.zeros((n_trees + most, first_row - committed + most), dtype=bool)
@@ -655,51 +657,55 @@ class DraftSession:
         row = np.zeros((n_trees, size), np.int64)  # expanded node -> its index in `seen` and among the states
         row[:, 0] = np.arange(n_trees)
         level_states = [torch.stack([seed.state for seed in seeds])]  # [T, d], then each level's [Q, d]
-        levels: list[list[np.ndarray]] = [[] for _ in seeds]  # each tree's expanded nodes, level by level
+        levels: list[tuple[np.ndarray, np.ndarray]] = []  # each level's expanded (tree, node) pairs [Q], tree by tree
         bookkeeping = 0.0
 
-        def add_children(trees: list[int], nodes: list[np.ndarray], ids: torch.Tensor, probs: torch.Tensor) -> None:
-            """Each node's top-width candidates (ids, probs [Q, width]) as its children, in `DraftTree.add_expansion`'s
-            order and with its values (math.log of the floored probability, as it takes them)."""
+        def add_children(tt: np.ndarray, nn: np.ndarray, ids: torch.Tensor, probs: torch.Tensor) -> None:
+            """Each expanded node's (tree `tt`, node `nn` [Q], tree by tree) top-width candidates (ids, probs [Q, width])
+            as its children, in `DraftTree.add_expansion`'s order and with its values (math.log of the floored
+            probability, as it takes them)."""
             q = probs.double().cpu().numpy()  # [Q, width]
             valid = (q >= 0.0) & (q <= 1.0)  # NaN fails the comparison too
             if not valid.all():
                 raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
             logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
-            sizes = np.array([len(n) * width for n in nodes])  # children per tree
-            where = np.repeat(trees, sizes), np.repeat([count[t] for t in trees], sizes) + ragged_arange(sizes)  # [C] each
-            parent = np.repeat(np.concatenate(nodes), width)  # [C]
+            trees, expanded = np.unique(tt, return_counts=True)
+            where = np.repeat(tt, width), (np.repeat(count[tt] + ragged_arange(expanded) * width, width) + np.tile(np.arange(width), len(tt)))
+            parent = np.repeat(nn, width)  # [C]
             tokens[where] = ids.cpu().numpy().ravel()
             parents[where] = parent
             depths[where] = depths[where[0], parent] + 1
             confidences[where] = q.ravel()
             values[where] = values[where[0], parent] + logs.ravel()
-            for t, size in zip(trees, sizes.tolist()):
-                frontier[t], count[t] = (count[t], count[t] + size), count[t] + size
+            first_new[trees] = count[trees]
+            count[trees] += expanded * width
 
         start = time.perf_counter()
         root_ids, root_probs = (torch.cat(c) for c in zip(*(seed.candidates for seed in seeds)))  # [T, width]
-        add_children(list(range(n_trees)), [np.zeros(1, np.int64)] * n_trees, root_ids, root_probs)
+        add_children(np.arange(n_trees), np.zeros(n_trees, np.int64), root_ids, root_probs)
         bookkeeping += time.perf_counter() - start
         trees, stopped = list(range(n_trees)), set()  # the trees still growing; those told to stop
         floor = math.log(policy.stop) if policy.stop > 0.0 else None
         done = n_trees  # rows in `seen` and among the states so far
         for _ in range(1, policy.depth):
             stopped.update(t for t in trees if seeds[t].stop())
-            growing, trees, nodes = [t for t in trees if t not in stopped], [], []
-            for t in growing:  # `DraftTree.expandable`: the frontier's best, ties to the earlier node
-                first, end = frontier[t]
-                best = first + np.argsort(-values[t, first:end], kind="stable")[:width]
-                if floor is not None:
-                    best = best[values[t, best] >= floor]
-                if len(best):  # else the tree is done
-                    trees.append(t)
-                    nodes.append(best)
+            by_frontier: dict[tuple[int, int], list[int]] = {}
+            for t in trees:
+                if t not in stopped:
+                    by_frontier.setdefault((int(first_new[t]), int(count[t])), []).append(t)
+            picked = []
+            for (first, end), group in by_frontier.items():  # `DraftTree.expandable`: the best, ties to the earlier node
+                best = first + np.argsort(-values[group, first:end], axis=1, kind="stable")[:, :width]  # [G, <= width]
+                keep = values[np.asarray(group)[:, None], best] >= floor if floor is not None else np.ones(best.shape, bool)
+                picked.append((np.repeat(group, keep.sum(axis=1)), best[keep]))
+            tt, nn = (np.concatenate(x) for x in zip(*picked)) if picked else (np.zeros(0, np.int64),) * 2
+            order = np.argsort(tt, kind="stable")  # tree by tree, each tree's best first
+            tt, nn = tt[order], nn[order]
+            trees = np.unique(tt).tolist()  # a tree with nothing to expand is done
             if not trees:
                 break
-            base = self.written
-            parent_rows = np.concatenate([row[t, parents[t, n]] for t, n in zip(trees, nodes)])  # [Q]
-            n_rows = len(parent_rows)
+            base, n_rows = self.written, len(tt)
+            parent_rows = row[tt, parents[tt, nn]]  # [Q]
             view = seen[parent_rows]  # [Q, columns]: each parent's view, then the row itself
             view[np.arange(n_rows), base - committed + np.arange(n_rows)] = True
             seen[done : done + n_rows] = view
@@ -708,42 +714,39 @@ class DraftSession:
             visible[:, committed:] = view[:, : base + n_rows - committed]
             last = level_states[-1]  # every parent was expanded at the level before (or is a root)
             hidden = last[torch.from_numpy(parent_rows - (done - len(last)))]  # [Q, d]
-            at = done
-            for t, n in zip(trees, nodes):
-                row[t, n] = np.arange(at, at + len(n))
-                levels[t].append(n)
-                at += len(n)
+            row[tt, nn] = done + np.arange(n_rows)
+            levels.append((tt, nn))
             call = RowsCall(
-                self.slot, base, torch.from_numpy(np.concatenate([tokens[t, n] for t, n in zip(trees, nodes)])),
-                torch.from_numpy(np.concatenate([seeds[t].prefix_len - 1 + depths[t, n] for t, n in zip(trees, nodes)])),
+                self.slot, base, torch.from_numpy(tokens[tt, nn]), torch.from_numpy(prefix[tt] - 1 + depths[tt, nn]),
                 torch.from_numpy(visible), hidden, width,
             )
             out = yield from self._run(call)
             start = time.perf_counter()
             level_states.append(out.states)
             done += n_rows
-            add_children(trees, nodes, out.tokens, out.probs)
+            add_children(tt, nn, out.tokens, out.probs)
             bookkeeping += time.perf_counter() - start
         start = time.perf_counter()
         states = torch.cat(level_states)  # [roots + drafted rows, d]
+        expanded = np.bincount(np.concatenate([tt for tt, _ in levels] or [np.zeros(0, np.int64)]), minlength=n_trees)
         grown: list[Grown | None] = [None] * n_trees
         by_size: dict[int, list[int]] = {}  # trees of as many nodes, flattened together
         for t in range(n_trees):
             if t not in stopped:
-                by_size.setdefault(count[t], []).append(t)
+                by_size.setdefault(int(count[t]), []).append(t)
         for n, group in by_size.items():
             # `DraftTree.select`: the best `budget` nodes, ties to the earlier node
             selected = 1 + np.argsort(-values[group, 1:n], axis=1, kind="stable")[:, : policy.budget]  # [G, B]
             rows = np.concatenate([np.zeros((len(group), 1), np.int64), selected], axis=1)
-            flats = flatten_many(tokens[group], parents[group], depths[group], confidences[group], rows, [seeds[t].prefix_len for t in group])
+            flats = flatten_many(tokens[group], parents[group], depths[group], confidences[group], rows, prefix[group].tolist())
             for t, flat, chosen in zip(group, flats, selected.tolist()):
                 tree = DraftTree.of_records(
                     tokens[t, :n].tolist(), parents[t, :n].tolist(), depths[t, :n].tolist(), confidences[t, :n].tolist(),
-                    values[t, :n].tolist(), list(range(*frontier[t])),
+                    values[t, :n].tolist(), list(range(int(first_new[t]), n)),
                 )
-                expanded = sum(map(len, levels[t]))
-                proposal = Proposal(flat, expanded, n, self.model.pool.row_bytes * expanded, 0.0, tree, [0, *chosen])
-                read = lambda t=t, tree=tree: forest_nodes(seeds[t], tree, levels[t], row[t], states, first_row - n_trees)
+                kv_bytes = self.model.pool.row_bytes * int(expanded[t])
+                proposal = Proposal(flat, int(expanded[t]), n, kv_bytes, 0.0, tree, [0, *chosen])
+                read = lambda t=t, tree=tree: forest_nodes(seeds[t], t, tree, levels, row[t], states, first_row - n_trees)
                 grown[t] = Grown(proposal, self.written, read)
         built = [g for g in grown if g is not None]
         for g in built:  # each tree's share of the host's bookkeeping
