@@ -670,7 +670,8 @@ class DraftSession:
                 raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
             logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
             trees, expanded = np.unique(tt, return_counts=True)
-            where = np.repeat(tt, width), (np.repeat(count[tt] + ragged_arange(expanded) * width, width) + np.tile(np.arange(width), len(tt)))
+            first_child = count[tt] + ragged_arange(expanded) * width  # [Q]: each node's children follow its tree's last
+            where = np.repeat(tt, width), np.repeat(first_child, width) + np.tile(np.arange(width), len(tt))  # [C] each
             parent = np.repeat(nn, width)  # [C]
             tokens[where] = ids.cpu().numpy().ravel()
             parents[where] = parent
