@@ -714,7 +714,7 @@ class DraftSession:
             visible[:, :committed] = True
             visible[:, committed:] = view[:, : base + n_rows - committed]
             last = level_states[-1]  # every parent was expanded at the level before (or is a root)
-            hidden = last[torch.from_numpy(parent_rows - (done - len(last)))]  # [Q, d]
+            hidden = last[torch.from_numpy(parent_rows - (done - len(last))).to(last.device)]  # [Q, d]
             row[tt, nn] = done + np.arange(n_rows)
             levels.append((tt, nn))
             call = RowsCall(
