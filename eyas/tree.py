@@ -248,56 +248,65 @@ class FlattenedTree:
 
 def flatten(tree: DraftTree, selected: list[int], prefix_len: int) -> FlattenedTree:
     """Flatten the root plus `selected` nodes (in selection order) into verification rows."""
-    placed = {0}
+    row_of = {0: 0}
     for node in selected:
-        if tree.parents[node] not in placed:
+        if tree.parents[node] not in row_of:
             raise TreeError("parents", f"selected node {node} comes before its parent {tree.parents[node]}")
-        placed.add(node)
-    records = (np.asarray([x]) for x in (tree.tokens, tree.parents, tree.depths, tree.confidences))
-    return flatten_many(*records, np.asarray([[0, *selected]], dtype=np.int64), [prefix_len])[0]
+        row_of[node] = len(row_of)
+    nodes = [0, *selected]
+    rows = [[tree.tokens[n] for n in nodes], [-1] + [row_of[tree.parents[n]] for n in selected], [tree.depths[n] for n in nodes]]
+    tokens, parents, depths = (np.asarray([r], dtype=np.int64) for r in rows)
+    return flattened(tokens, parents, depths, np.asarray([[tree.confidences[n] for n in nodes]]), [prefix_len])[0]
 
 
 def flatten_many(
     tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, confidences: np.ndarray, nodes: np.ndarray, prefix_lens: list[int]
 ) -> list[FlattenedTree]:
     """`flatten` for several trees at once: their records [T, N] (parent -1 at the root) and each one's rows `nodes`
-    [T, R] (the root, then an ancestor-closed selection in order), built a level at a time for all of them."""
-    n_trees, n_rows = nodes.shape
-    tree = np.arange(n_trees)[:, None]
+    [T, R] (the root, then an ancestor-closed selection in order)."""
+    tree = np.arange(nodes.shape[0])[:, None]
     row_of = np.full(tokens.shape, -1, dtype=np.int64)
-    row_of[tree, nodes] = np.arange(n_rows)
+    row_of[tree, nodes] = np.arange(nodes.shape[1])
     row_parents = row_of[tree, parents[tree, nodes]]  # [T, R]
     row_parents[:, 0] = -1
-    row_depths = depths[tree, nodes].astype(np.int64)  # [T, R]
+    return flattened(tokens[tree, nodes], row_parents, depths[tree, nodes], confidences[tree, nodes], prefix_lens)
+
+
+def flattened(
+    tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, confidences: np.ndarray, prefix_lens: list[int]
+) -> list[FlattenedTree]:
+    """The verification rows of trees already laid out in rows [T, R] (tokens, parent rows with -1 at the root,
+    depths, draft probabilities), their masks and leaf paths built a level at a time for all of them."""
+    n_trees, n_rows = tokens.shape
+    parents, depths = parents.astype(np.int64), depths.astype(np.int64)
     # ancestry closure with the diagonal, a level at a time: a row's parent's row is complete before it
     mask = np.broadcast_to(np.eye(n_rows, dtype=np.bool_), (n_trees, n_rows, n_rows)).copy()
-    for depth in range(1, int(row_depths.max()) + 1):
-        t, r = np.nonzero(row_depths == depth)
-        mask[t, r] |= mask[t, row_parents[t, r]]
+    for depth in range(1, int(depths.max()) + 1):
+        t, r = np.nonzero(depths == depth)
+        mask[t, r] |= mask[t, parents[t, r]]
     # root-to-leaf paths, leaves in row order, padded with -1 to each tree's depth + 1
     is_parent = np.zeros((n_trees, n_rows), dtype=np.bool_)
-    t, r = np.nonzero(row_parents >= 0)
-    is_parent[t, row_parents[t, r]] = True
-    leaf_tree, at = np.nonzero(~is_parent)  # tree-major, rows in order
-    widths = row_depths.max(axis=1) + 1
-    paths = np.full((len(at), int(widths.max())), -1, dtype=np.int64)
-    for column in range(paths.shape[1] - 1, -1, -1):  # leaf, parent, ... root: each at its depth's column
-        here = row_depths[leaf_tree, at] == column
-        paths[np.flatnonzero(here), column] = at[here]
-        at = np.where(here, row_parents[leaf_tree, at], at)
+    t, r = np.nonzero(parents >= 0)
+    is_parent[t, parents[t, r]] = True
+    leaf_tree, leaf = np.nonzero(~is_parent)  # tree-major, rows in order
+    widths = depths.max(axis=1) + 1
+    # a leaf's mask row holds its path; each row of it goes to its depth's column
+    on_path, row = np.nonzero(mask[leaf_tree, leaf])  # [sum of path lengths] each, leaf by leaf
+    paths = np.full((len(leaf), int(widths.max())), -1, dtype=np.int64)
+    paths[on_path, depths[leaf_tree[on_path], row]] = row
     leaves = np.bincount(leaf_tree, minlength=n_trees)
-    row_tokens, row_probs = tokens[tree, nodes].astype(np.int64), confidences[tree, nodes].astype(np.float64)
+    tokens, confidences = tokens.astype(np.int64), confidences.astype(np.float64)
     flat, first = [], 0
     for i in range(n_trees):
-        row_depth = torch.from_numpy(row_depths[i])
+        row_depth = torch.from_numpy(depths[i])
         flat.append(FlattenedTree(
-            tokens=torch.from_numpy(row_tokens[i]),
-            parents=torch.from_numpy(row_parents[i]),
+            tokens=torch.from_numpy(tokens[i]),
+            parents=torch.from_numpy(parents[i]),
             depths=row_depth,
             positions=row_depth + prefix_lens[i],
             mask=torch.from_numpy(mask[i]),
             retrieve=torch.from_numpy(np.ascontiguousarray(paths[first : first + leaves[i], : widths[i]])),
-            draft_probs=torch.from_numpy(row_probs[i]),
+            draft_probs=torch.from_numpy(confidences[i]),
             prefix_len=prefix_lens[i],
         ))
         first += leaves[i]
