@@ -210,6 +210,9 @@ class DraftTree:
         return self.ranked(list(range(1, len(self))))[:budget]
 
 
+ARRAY_FIELDS = ("tokens", "parents", "depths", "positions", "mask", "retrieve", "draft_probs")  # TreeRows' order
+
+
 @dataclass
 class FlattenedTree:
     """The rows one verification runs: row 0 is the root (the last committed token, target-append-required).
@@ -234,8 +237,11 @@ class FlattenedTree:
 
     def rows(self) -> TreeRows:
         """The same tree as plain lists, for the receipt checks and tools that need no tensors."""
-        return TreeRows(self.tokens.tolist(), self.parents.tolist(), self.depths.tolist(), self.positions.tolist(),
-                        self.mask.tolist(), self.retrieve.tolist(), self.draft_probs.tolist(), self.prefix_len)
+        return TreeRows(*(getattr(self, name).tolist() for name in ARRAY_FIELDS), self.prefix_len)
+
+    def arrays(self) -> TreeRows:
+        """The same tree as numpy views of its tensors (no copy), for a receipt check that reads a few rows of it."""
+        return TreeRows(*(getattr(self, name).cpu().numpy() for name in ARRAY_FIELDS), self.prefix_len)
 
     def children(self, row: int) -> list[int]:
         """Child rows of `row`, most confident first (ties: lower row first): the order verification tries them."""

@@ -56,8 +56,8 @@ class AcceptanceDecision:
 
 @dataclass(frozen=True)
 class TreeRows:
-    """The fields of a FlattenedTree as lists: tokens/parents/depths/positions/draft_probs [N], mask [N][N],
-    retrieve [L][max_depth + 1]."""
+    """The fields of a FlattenedTree as lists (or numpy arrays, `FlattenedTree.arrays`): tokens/parents/depths/
+    positions/draft_probs [N], mask [N][N], retrieve [L][max_depth + 1]."""
 
     tokens: list[int]
     parents: list[int]

@@ -255,7 +255,7 @@ def verification_from_proto(msg: pb.Verification, feature_width: int, with_featu
 
 def validate_decision(decision: AcceptanceDecision, tree: FlattenedTree, vocab_size: int) -> None:
     """Receipt check of a decision against the tree it decides (`eyas.treerows.check_decision`); raises `WireError`."""
-    check_decision(decision, tree.rows(), vocab_size)
+    check_decision(decision, tree.arrays(), vocab_size)
 
 
 def validate_verification(verification: Verification, tree: FlattenedTree, vocab_size: int) -> None:

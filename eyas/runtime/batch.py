@@ -288,6 +288,8 @@ class Scheduler:
 
     def _admit(self, timeout: float | None = None) -> None:
         """Start the operations that have arrived (waiting up to `timeout` for one when none has, None: for ever)."""
+        if timeout == 0.0 and not self._incoming:  # a step is due: nothing to wait for
+            return
         with self._cond:
             if not self._incoming:
                 self._cond.wait(timeout)
