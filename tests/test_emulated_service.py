@@ -3,15 +3,18 @@ concurrent requests, drafting ahead on and off, greedy and seeded, and with tree
 a worker killed under the load loses no committed token. (Exactness itself is tested on real models; here the
 service's machinery runs on the timed models'.)"""
 
+import argparse
 import os
 import random
 import signal
+import statistics
 
 import pytest
 from tests.helpers.servicekit import stream_while
 
 from eyas import Engine
 from eyas.actors.config import ServiceConfig
+from eyas.client.bench.service import concurrency_curve
 from eyas.client.client import Client
 from eyas.cluster.service import Service
 
@@ -50,6 +53,20 @@ def test_sixteen_at_once_equal_the_engine(svc):
     outputs, finals, _ = stream_while(svc["client"], PROMPTS, LENGTH, lambda: None, options=[{**o, "ignore_eos": True} for o in SAMPLING])
     assert outputs == svc["expected"]
     assert all(f.finish_reason == "length" for f in finals)
+
+
+def test_the_concurrency_curve_alternates_its_runs_and_reports_their_medians(svc):
+    """`eyas bench service --concurrency`: each size runs `--repeats` times both ways, alternated; the point is the
+    medians, and the service's outputs are generate_batch's."""
+    engine = Engine.emulated("null", tree=TREE, kv_slots=16)
+    args = argparse.Namespace(prompt_tokens=10, seed=5, max_new_tokens=12, repeats=3)
+    [point] = concurrency_curve(engine, svc["client"], (4,), args)
+    runs = point["runs"]
+    assert point["identical_outputs"]
+    assert len(runs["in_process_request_rounds_per_s"]) == len(runs["service_request_rounds_per_s"]) == 3
+    assert point["in_process_request_rounds_per_s"] == statistics.median(runs["in_process_request_rounds_per_s"])
+    assert point["service_request_rounds_per_s"] == statistics.median(runs["service_request_rounds_per_s"])
+    assert point["service_over_in_process"] == point["service_request_rounds_per_s"] / point["in_process_request_rounds_per_s"]
 
 
 def test_a_target_worker_killed_under_the_load_loses_no_committed_token(svc):

@@ -212,7 +212,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     service.add_argument("--requests", type=int, default=8, help="requests, also the concurrency of the second run")
     service.add_argument("--prompt-tokens", type=int, default=32)
     service.add_argument("--max-new-tokens", type=int, default=64)
-    service.add_argument("--repeats", type=int, default=3, help="alternate in-process and service runs this often")
+    service.add_argument("--repeats", type=int, default=3, help="alternate in-process and service runs this often (one at a time, and at each --concurrency size)")
     service.add_argument("--seed", type=int, default=0)
     service.add_argument("--prompts-from", help="text file the prompts are cut from (default: random token ids)")
     service.add_argument("--draft-workers", type=int, default=1)

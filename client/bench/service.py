@@ -224,24 +224,33 @@ def vllm_eagle(target: str, prompts: list[list[int]], max_new_tokens: int, k: in
 
 def concurrency_curve(engine: Engine, client: Client, sizes: tuple[int, ...], args: argparse.Namespace) -> list[dict]:
     """For each size n: n requests through the service at once against `generate_batch` of the same n in process,
-    as request-rounds per second (rounds every request completed, over the wall time)."""
+    as request-rounds per second (rounds every request completed, over the wall time); `args.repeats` runs of each,
+    alternated, and their medians."""
     curve = []
     for n in sizes:
         prompts = prompts_for(engine, n, args.prompt_tokens, args.seed + n, None)
-        started = time.perf_counter()
-        local = engine.generate_batch(prompts, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-        local_wall = time.perf_counter() - started
-        remote = concurrently(client, prompts, args.max_new_tokens)
-        local_rate = sum(g.stats.rounds for g in local) / local_wall
+        local_rates, local_tokens, runs, identical = [], [], [], True
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            local = engine.generate_batch(prompts, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+            local_wall = time.perf_counter() - started
+            local_rates.append(sum(g.stats.rounds for g in local) / local_wall)
+            local_tokens.append(sum(len(g.token_ids) for g in local) / local_wall)
+            runs.append(concurrently(client, prompts, args.max_new_tokens))
+            identical &= runs[-1]["outputs"] == [g.token_ids for g in local]
+        remote_rates = [run["request_rounds_per_s"] for run in runs]
+        local_rate, remote_rate = statistics.median(local_rates), statistics.median(remote_rates)
+        middle = sorted(runs, key=lambda run: run["request_rounds_per_s"])[len(runs) // 2]
         curve.append({
             "concurrent": n,
             "in_process_request_rounds_per_s": local_rate,
-            "service_request_rounds_per_s": remote["request_rounds_per_s"],
-            "service_over_in_process": remote["request_rounds_per_s"] / local_rate,
-            "in_process_tokens_per_s": sum(len(g.token_ids) for g in local) / local_wall,
-            "service_tokens_per_s": remote["tokens_per_s"],
-            "identical_outputs": remote["outputs"] == [g.token_ids for g in local],
-            "service_breakdown_ms_per_round": remote["breakdown_ms_per_round"],
+            "service_request_rounds_per_s": remote_rate,
+            "service_over_in_process": remote_rate / local_rate,
+            "runs": {"in_process_request_rounds_per_s": local_rates, "service_request_rounds_per_s": remote_rates},
+            "in_process_tokens_per_s": statistics.median(local_tokens),
+            "service_tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs),
+            "identical_outputs": identical,
+            "service_breakdown_ms_per_round": middle["breakdown_ms_per_round"],
         })
     return curve
 
