@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -183,20 +184,23 @@ class SlotBatch:
             self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, slot_runs(self.slots, ends), None, None, None, None, None)
             return
         # per real row: (batch entry, row in the entry, slot, slot position), one tensor, one copy to the device
-        rows = [(b, i, slot, start + i) for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)) for i in range(n)]
+        lengths = np.asarray(self.lengths)
+        entry = np.repeat(np.arange(len(lengths)), lengths)  # [R]
+        within = np.arange(len(entry)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        rows = np.stack([entry, within, np.asarray(self.slots)[entry], np.asarray(self.starts)[entry] + within])  # [4, R]
         if self.shape is None:
-            src_b, src_n, dst_slot, dst_pos = torch.tensor(rows, dtype=torch.long).t().contiguous().to(device)  # 4 x [R]
+            src_b, src_n, dst_slot, dst_pos = torch.from_numpy(rows).to(device)  # 4 x [R]
             self.writes = Writes(0, 0, 0, self.key_len, slot_runs(self.slots, ends), src_b, src_n, dst_slot, dst_pos, None)
             return
         entries, per_entry, keys = self.shape
         if len(self.slots) > entries or max(self.lengths) > per_entry or not self.key_len <= keys <= self.pool.slot_len:
             raise ValueError(f"shape: {self.shape} does not hold {len(self.slots)} entries of up to {max(self.lengths)} rows reading {self.key_len} positions")
         self.key_len = keys
-        rows += [rows[0]] * (entries * per_entry - len(rows))
-        read = self.slots + [self.slots[0]] * (entries - len(self.slots))
-        # a fifth column carries entry i's slot in row i
-        index = torch.tensor([r + (read[i] if i < entries else 0,) for i, r in enumerate(rows)], dtype=torch.long)
-        src_b, src_n, dst_slot, dst_pos, read_slots = index.t().contiguous().to(device)  # 5 x [entries x rows]
+        # pad rows repeat the first; a fifth column carries entry i's slot in row i (pad entries read the first's)
+        rows = np.concatenate([rows, np.repeat(rows[:, :1], entries * per_entry - rows.shape[1], axis=1)], axis=1)
+        read = np.zeros((1, rows.shape[1]), dtype=rows.dtype)
+        read[0, :entries] = self.slots + [self.slots[0]] * (entries - len(self.slots))
+        src_b, src_n, dst_slot, dst_pos, read_slots = torch.from_numpy(np.concatenate([rows, read])).to(device)  # 5 x [entries x rows]
         self.writes = Writes(0, 0, 0, keys, [], src_b, src_n, dst_slot, dst_pos, read_slots[:entries])
 
     @property
