@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..steps import Forward, Steps
-from .kv import KVPool, SlotBatch
+from .kv import KVPool, SlotBatch, row_index
 from .linear import bucketed_rows
 
 MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
@@ -78,20 +78,21 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tup
         call = calls[0]
         states = None if call.states is None else call.states[None].to(device)
         return Packed(call.tokens[None].to(device), call.positions[None].to(device), call.visible[None, None].to(device), states, lengths, entries, kv)
+    entry, within = (torch.from_numpy(x) for x in row_index(kv.lengths))  # each real row's place [R]
     tokens = torch.zeros(b, n, dtype=torch.long)
+    tokens[entry, within] = torch.cat([calls[i].tokens for i in order])
     positions = torch.zeros(b, n, dtype=torch.long)
+    positions[entry, within] = torch.cat([calls[i].positions for i in order])
     mask = torch.zeros(b, 1, n, kv.key_len, dtype=torch.bool)
     mask[:, 0, :, 0] = True  # pad rows see one key: their softmax stays finite
-    states = None if calls[0].states is None else calls[0].states.new_zeros(b, n, calls[0].states.shape[-1])
+    mask[entry, 0, within, 0] = False
     for e, i in enumerate(order):
-        call, m = calls[i], lengths[i]
-        tokens[e, :m] = call.tokens
-        positions[e, :m] = call.positions
-        mask[e, 0, :m, 0] = False
-        mask[e, 0, :m, : call.start + m] = call.visible
-        if states is not None:
-            states[e, :m] = call.states
-    states = None if states is None else states.to(device)
+        mask[e, 0, : lengths[i], : calls[i].start + lengths[i]] = calls[i].visible
+    states = None
+    if calls[0].states is not None:
+        states = calls[0].states.new_zeros(b, n, calls[0].states.shape[-1])
+        states[entry, within] = torch.cat([calls[i].states for i in order])
+        states = states.to(device)
     return Packed(tokens.to(device), positions.to(device), mask.to(device), states, lengths, entries, kv)
 
 

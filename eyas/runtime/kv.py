@@ -163,6 +163,13 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def row_index(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Entries of `lengths` rows laid end to end: each row's entry and its row within the entry, [R] each."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    entry = np.repeat(np.arange(len(lengths)), lengths)
+    return entry, np.arange(len(entry)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
 @dataclass
 class SlotBatch:
     """The KV of one batched forward: entry b writes rows [starts[b], starts[b] + lengths[b]) of slot slots[b] and
@@ -184,9 +191,7 @@ class SlotBatch:
             self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, slot_runs(self.slots, ends), None, None, None, None, None)
             return
         # per real row: (batch entry, row in the entry, slot, slot position), one tensor, one copy to the device
-        lengths = np.asarray(self.lengths)
-        entry = np.repeat(np.arange(len(lengths)), lengths)  # [R]
-        within = np.arange(len(entry)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        entry, within = row_index(self.lengths)
         rows = np.stack([entry, within, np.asarray(self.slots)[entry], np.asarray(self.starts)[entry] + within])  # [4, R]
         if self.shape is None:
             src_b, src_n, dst_slot, dst_pos = torch.from_numpy(rows).to(device)  # 4 x [R]
