@@ -36,6 +36,7 @@ from eyas.errors import RequestError
 from eyas.manifest import Manifest
 from eyas.request import RequestState, StopRules, make_sampling, prompt_within
 from eyas.rounds import RoundRecord, round_steps, start
+from eyas.runtime.device import freeze_startup_objects
 from eyas.steps import Steps
 from eyas.trace.messages import verify_exchange
 from eyas.trace.record import RequestRecorder
@@ -145,6 +146,7 @@ class Coordinator:
             metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
             self.metrics_address = advertised_address(self.config.host, metrics_port)
         await self._frontdoor.start()
+        freeze_startup_objects()  # the pools are up: what exists now lives as long as the service
         http_address = ""
         if self._http is not None:
             target, drafter = ("", "") if self.config.emulate else self.config.models()

@@ -34,7 +34,7 @@ from eyas.request import eos_token_ids
 from eyas.errors import VersionError, renamed
 from eyas.pairing import plan_drafter, target_num_layers
 from eyas.pairing import DrafterPlan
-from eyas.runtime.device import prepare, resolve_dtype, stored_dtype
+from eyas.runtime.device import freeze_startup_objects, prepare, resolve_dtype, stored_dtype
 from eyas.runtime.shard import Shard, join_group, open_rendezvous
 from eyas.steps import Steps
 from eyas.target import TargetModel, TargetSession
@@ -100,6 +100,7 @@ class TargetRank:
         def load() -> RankInfo:
             shard = join_group(host, port, self.rank, self.spec.tensor_parallel, self.device, GROUP_TIMEOUT)
             self.model, _ = load_target(self.spec, self.device, shard)
+            freeze_startup_objects()
             return rank_info(self.model, self.device)
 
         try:

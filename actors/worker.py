@@ -30,7 +30,7 @@ from transformers.utils import logging as hf_logging
 
 from eyas.manifest import Manifest
 from eyas.runtime.batch import Scheduler
-from eyas.runtime.device import prepare
+from eyas.runtime.device import freeze_startup_objects, prepare
 from eyas.steps import Steps
 from eyas.tree import TreeError, TreePolicy
 from eyas.v1 import round_pb2 as pb
@@ -222,6 +222,7 @@ class Worker:
             await asyncio.to_thread(self.load)
         except Exception as exc:  # engine errors take several arguments; a plain one crosses Ray intact
             raise WorkerStartError(f"{type(exc).__name__}: {exc}") from None
+        freeze_startup_objects()  # the models too
         endpoints = {**self.endpoints(), "Release": (pb.Release, self.release), "Costs": (pb.CostsRequest, self.costs)}
         methods = {name: self._unary(name, *endpoint) for name, endpoint in endpoints.items()}
         round_endpoints = {name: endpoints[name] for name in self.batched}
