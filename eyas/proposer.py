@@ -27,7 +27,7 @@ from .rounds import Proposal
 from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
-from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
+from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes, ragged_arange
 from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
 from .runtime.script import script, unoptimized
@@ -290,11 +290,6 @@ class Seed:
     prefix_len: int
     candidates: tuple[torch.Tensor, torch.Tensor] | None  # None: a policy that drafts nothing
     stop: Callable[[], bool]
-
-
-def ragged_arange(sizes: np.ndarray) -> np.ndarray:
-    """0..size-1 for each of `sizes`, end to end: [3, 2] -> [0, 1, 2, 0, 1]."""
-    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 def forest_nodes(

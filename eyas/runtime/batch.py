@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..steps import Forward, Steps
-from .kv import KVPool, SlotBatch, row_index
+from .kv import KVPool, SlotBatch
 from .linear import bucketed_rows
 
 MAX_BATCH_ROWS = 4096  # rows one batched forward of a model takes; calls past it wait for the next step
@@ -78,7 +78,7 @@ def pack(calls: list[RowsCall], pool: KVPool, bucketed: bool = False, shape: tup
         call = calls[0]
         states = None if call.states is None else call.states[None].to(device)
         return Packed(call.tokens[None].to(device), call.positions[None].to(device), call.visible[None, None].to(device), states, lengths, entries, kv)
-    entry, within = (torch.from_numpy(x) for x in row_index(kv.lengths))  # each real row's place [R]
+    entry, within = (torch.from_numpy(x) for x in kv.rows)  # each real row's place [R]
     tokens = torch.zeros(b, n, dtype=torch.long)
     tokens[entry, within] = torch.cat([calls[i].tokens for i in order])
     positions = torch.zeros(b, n, dtype=torch.long)

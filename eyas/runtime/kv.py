@@ -5,6 +5,7 @@ import heapq
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -163,11 +164,10 @@ def attend(q: torch.Tensor, kv: torch.Tensor, writes: Writes, bias: torch.Tensor
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def row_index(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Entries of `lengths` rows laid end to end: each row's entry and its row within the entry, [R] each."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    entry = np.repeat(np.arange(len(lengths)), lengths)
-    return entry, np.arange(len(entry)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+def ragged_arange(sizes: np.ndarray | list[int]) -> np.ndarray:
+    """0..size-1 for each of `sizes`, end to end: [3, 2] -> [0, 1, 2, 0, 1]."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 @dataclass
@@ -191,7 +191,7 @@ class SlotBatch:
             self.writes = Writes(self.slots[0], self.starts[0], self.lengths[0], self.key_len, slot_runs(self.slots, ends), None, None, None, None, None)
             return
         # per real row: (batch entry, row in the entry, slot, slot position), one tensor, one copy to the device
-        entry, within = row_index(self.lengths)
+        entry, within = self.rows
         rows = np.stack([entry, within, np.asarray(self.slots)[entry], np.asarray(self.starts)[entry] + within])  # [4, R]
         if self.shape is None:
             src_b, src_n, dst_slot, dst_pos = torch.from_numpy(rows).to(device)  # 4 x [R]
@@ -207,6 +207,11 @@ class SlotBatch:
         read[0, :entries] = self.slots + [self.slots[0]] * (entries - len(self.slots))
         src_b, src_n, dst_slot, dst_pos, read_slots = torch.from_numpy(np.concatenate([rows, read])).to(device)  # 5 x [entries x rows]
         self.writes = Writes(0, 0, 0, keys, [], src_b, src_n, dst_slot, dst_pos, read_slots[:entries])
+
+    @cached_property
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each real row's batch entry and its row within the entry, entries end to end ([R] each)."""
+        return np.repeat(np.arange(len(self.lengths)), self.lengths), ragged_arange(self.lengths)
 
     @property
     def dtype(self) -> torch.dtype:
