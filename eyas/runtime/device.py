@@ -61,13 +61,11 @@ def prepare(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def freeze_startup_objects() -> int:
+def freeze_startup_objects() -> None:
     """In a process that serves until it exits (a worker, the coordinator; not an engine, which lives in its caller's
     process): move every object alive now (modules, models: some 400,000) out of the cyclic collector's generations,
-    so that its full collections walk only what serving allocates (docs/runtime.md, "Objects from start"). Returns
-    how many are frozen."""
+    so that its full collections walk only what serving allocates (docs/runtime.md, "Objects from start")."""
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def keep_freed_memory() -> bool:
