@@ -3,10 +3,16 @@
 A row's context is the tokens it sees (its KV: the committed prefix and its tree ancestors), by position; the
 target's and the drafter's outputs for a row are functions of the hash of its last `law.context` tokens, so a
 tree's rows score exactly as plain decoding of their paths would (docs/emulation.md).
+
+Pure numpy over int64 hashes: a real device computes these outputs off the host, so the host pays as little for
+them as it can (docs/emulation.md, "The law's host cost").
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import numpy as np
 import torch
 
 from .profile import Law
@@ -15,57 +21,71 @@ MODULUS = 16777213  # below 2^24: a hash is exact in a float32 drafter state
 BASE = 8191
 
 
+@lru_cache(maxsize=None)
+def powers(context: int) -> np.ndarray:
+    """BASE^i mod MODULUS for i < context: a token's weight by its distance from the row."""
+    return np.array([pow(BASE, i, MODULUS) for i in range(context)], dtype=np.int64)
+
+
 def context_hashes(
-    tokens: torch.Tensor, key_positions: torch.Tensor, visible: torch.Tensor, row_positions: torch.Tensor, context: int
-) -> torch.Tensor:
+    tokens: np.ndarray, key_positions: np.ndarray, visible: np.ndarray, row_positions: np.ndarray, context: int
+) -> np.ndarray:
     """Keys' tokens and positions [B, W], what each row sees [B, N, W], rows' positions [B, N] -> hashes [B, N] of each
     row's last `context` tokens (its own included)."""
     offset = row_positions[:, :, None] - key_positions[:, None, :]  # [B, N, W]
     used = visible & (offset >= 0) & (offset < context)
-    powers = torch.tensor([pow(BASE, i, MODULUS) for i in range(context)], dtype=torch.long)
-    terms = (tokens[:, None, :] + 1) * powers[offset.clamp(0, context - 1)]  # < 2^48
+    terms = (tokens[:, None, :] + 1) * powers(context)[np.minimum(np.maximum(offset, 0), context - 1)]  # < 2^48
     return scramble((terms * used).sum(-1) % MODULUS)
 
 
-def scramble(h: torch.Tensor) -> torch.Tensor:
+def scramble(h: np.ndarray) -> np.ndarray:
     """Spread hashes over [0, 2^24) (multiplicative hashing): nearby contexts get unrelated outputs."""
     return (h * 2654435761) % (1 << 32) >> 8
 
 
-def uniform(h: torch.Tensor, salt: int) -> torch.Tensor:
+def uniform(h: np.ndarray, salt: int) -> np.ndarray:
     """A number in [0, 1) drawn from each hash, independent across salts."""
-    return scramble(h ^ (salt * 5_000_011)).double() / (1 << 24)
+    return scramble(h ^ (salt * 5_000_011)).astype(np.float64) / (1 << 24)
 
 
-def ranked_tokens(h: torch.Tensor, law: Law) -> torch.Tensor:
+def ranked_tokens(h: np.ndarray, law: Law) -> np.ndarray:
     """[R] hashes -> [R, ranked] distinct tokens, the target's likeliest first."""
     base = h % law.vocab
     stride = 1 + (h // law.vocab) % (law.vocab // law.ranked - 1)
-    return (base[:, None] + torch.arange(law.ranked) * stride[:, None]) % law.vocab
+    return (base[:, None] + np.arange(law.ranked) * stride[:, None]) % law.vocab
 
 
-def target_logits(h: torch.Tensor, law: Law) -> torch.Tensor:
+def target_logits(h: np.ndarray, law: Law) -> np.ndarray:
     """[R] hashes -> [R, vocab] float32 logits: ranked tokens fall by a per-context sharpness, the rest lie below."""
     sharpness = law.sharpness * (0.5 + uniform(h, 1))  # [R]
-    drop = sharpness[:, None] * torch.arange(law.ranked + 1)  # [R, ranked + 1]
-    logits = (-drop[:, -1:]).expand(len(h), law.vocab).clone()
-    logits.scatter_(1, ranked_tokens(h, law), -drop[:, :-1])
-    return logits.float()
+    drop = sharpness[:, None] * np.arange(law.ranked + 1)  # [R, ranked + 1]
+    logits = np.repeat(-drop[:, -1:], law.vocab, axis=1)
+    logits[np.arange(len(h))[:, None], ranked_tokens(h, law)] = -drop[:, :-1]
+    return logits.astype(np.float32)
 
 
-def draft_candidates(h: torch.Tensor, law: Law, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+@lru_cache(maxsize=None)
+def _candidate_tables(law: Law) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What `draft_candidates` reads for every row alike: the agreement ranks' cumulative odds, every rank's source
+    order [ranked, ranked], and the drafter's probabilities when it agrees and when not [2, ranked]."""
+    cumulative = np.cumsum(np.array(law.agree, dtype=np.float64))
+    j = np.arange(law.ranked)
+    rank = j[:, None]
+    source = np.where(j < rank, j + 1, np.where(j == rank, 0, j))  # a row's order given its top token's rank
+    fall = torch.tensor([law.confident, law.unsure]).double()  # each fall as float32 holds it
+    probs = torch.softmax(-fall[:, None] * torch.arange(law.ranked), dim=-1).numpy()
+    return cumulative, source, probs
+
+
+def draft_candidates(h: np.ndarray, law: Law, k: int) -> tuple[np.ndarray, np.ndarray]:
     """[R] hashes -> the drafter's k likeliest tokens [R, k] and their probabilities [R, k] float64: the target's
     ranking with its top token moved to the rank `law.agree` draws; past those ranks, further down with odds halving
     rank by rank."""
+    cumulative, source, probs = _candidate_tables(law)
     ranks = len(law.agree)
-    cumulative = torch.tensor(law.agree, dtype=torch.float64).cumsum(0)
     rank = (uniform(h, 2)[:, None] >= cumulative).sum(-1)  # [R] in [0, len(agree)]
-    beyond = ranks + (torch.log(1 - uniform(h, 3)) / -torch.log(torch.tensor(2.0, dtype=torch.float64))).long()  # geometric
-    rank = torch.where(rank == ranks, beyond.clamp(max=law.ranked - 1), rank)
-    j = torch.arange(law.ranked)
-    source = torch.where(j < rank[:, None], j + 1, torch.where(j == rank[:, None], 0, j))  # [R, ranked]
-    order = ranked_tokens(h, law).gather(1, source)
-    fall = torch.where(rank == 0, law.confident, law.unsure).double()  # [R]
-    probs = torch.softmax(-fall[:, None] * j, dim=-1)
+    beyond = ranks + (np.log(1 - uniform(h, 3)) / -np.log(2.0)).astype(np.int64)  # geometric
+    rank = np.where(rank == ranks, np.minimum(beyond, law.ranked - 1), rank)
     k = min(k, law.ranked)
-    return order[:, :k], probs[:, :k]
+    order = ranked_tokens(h, law)[np.arange(len(h))[:, None], source[rank, :k]]
+    return order, probs[(rank != 0).astype(np.int64), :k]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,6 +27,7 @@ from ..target import DEFAULT_KV_SLOTS, TargetCall, TargetModel, TargetOutput
 from .law import context_hashes, draft_candidates, target_logits
 from .profile import ForwardCost, Law, Profile
 
+LAST = np.iinfo(np.int64).max
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,23 +65,25 @@ def emulated_manifest(profile: Profile) -> Manifest:
     return Manifest(fingerprint, FeatureAddress("final_norm_output", dtype=profile.feature_dtype), "synthetic/1")
 
 
-def row_hashes(tokens: torch.Tensor, positions: torch.Tensor, kv: SlotBatch, mask: torch.Tensor, context: int) -> torch.Tensor:
+def row_hashes(tokens: torch.Tensor, positions: torch.Tensor, kv: SlotBatch, mask: torch.Tensor, context: int) -> np.ndarray:
     """Write a batch's tokens and positions [B, N] into its KV (as k and v), then hash each row's context, as `mask`
     [B, 1, N, K] lets it see -> [B, N] (pad rows: any value)."""
     b, n = tokens.shape
     one_head = lambda x: x.float()[:, None, :, None]  # [B, 1, N, 1]: one head of width one
-    keys, places = (x[:, 0, :, 0].long() for x in kv.append(one_head(tokens), one_head(positions)))  # [B, K]
-    lengths = torch.tensor(kv.lengths)
-    ends = torch.tensor(kv.starts) + lengths
-    real = torch.arange(n)[None, :] < lengths[:, None]  # [B, N]
-    first = torch.where(real, positions, torch.iinfo(torch.long).max).min(dim=1).values  # [B]
-    low = (first - context + 1).clamp(min=0)  # a row's context lies at or after its entry's lowest row's
+    keys, places = (x[:, 0, :, 0].numpy().astype(np.int64) for x in kv.append(one_head(tokens), one_head(positions)))  # [B, K]
+    positions = positions.numpy()
+    lengths = np.array(kv.lengths)
+    ends = np.array(kv.starts) + lengths
+    real = np.arange(n) < lengths[:, None]  # [B, N]
+    first = np.where(real, positions, LAST).min(axis=1)  # [B]
+    low = np.maximum(first - context + 1, 0)  # a row's context lies at or after its entry's lowest row's
     width = int((ends - low).max())
-    index = low[:, None] + torch.arange(width)  # [B, W]
+    index = low[:, None] + np.arange(width)  # [B, W]
     inside = index < ends[:, None]
-    index = index.clamp(max=keys.shape[1] - 1)
-    seen = mask[:, 0].gather(2, index[:, None, :].expand(b, n, width)) & inside[:, None, :]  # [B, N, W]
-    return context_hashes(keys.gather(1, index), places.gather(1, index), seen, positions, context)
+    index = np.minimum(index, keys.shape[1] - 1)
+    entry = np.arange(b)[:, None]
+    seen = mask[:, 0].numpy()[entry[:, :, None], np.arange(n)[:, None], index[:, None, :]] & inside[:, None, :]  # [B, N, W]
+    return context_hashes(keys[entry, index], places[entry, index], seen, positions, context)
 
 
 class SyntheticLM:
@@ -122,11 +126,11 @@ class TimedTarget(TargetModel):
         lengths = [int(r.tokens.shape[0]) for r in rows]
         with self.device.hold(self.cost.seconds(sum(lengths), [r.start + n for r, n in zip(rows, lengths)])):
             packed = pack(rows, self.pool)
-            hashes = row_hashes(packed.tokens, packed.positions, packed.kv, packed.mask, self.law.context)  # [B, N]
+            hashes = torch.from_numpy(row_hashes(packed.tokens, packed.positions, packed.kv, packed.mask, self.law.context))  # [B, N]
             hashes = split_rows(packed.rows(hashes), lengths)
             zero = torch.zeros((), dtype=self.feature_dtype)
             return [
-                TargetOutput(target_logits(h, self.law) if c.with_logits else None, zero.expand(len(h), self.hidden_size), frozenset())
+                TargetOutput(torch.from_numpy(target_logits(h.numpy(), self.law)) if c.with_logits else None, zero.expand(len(h), self.hidden_size), frozenset())
                 for c, h in zip(calls, hashes)
             ]
 
@@ -155,7 +159,7 @@ class SyntheticDrafter(nn.Module):
         super().__init__()
         self.law, self.cost, self.emulated = law, cost, device
         self.embed = nn.Embedding(law.vocab, 1).requires_grad_(False)  # its vocabulary, for code that reads it there
-        self._drawn = (torch.empty(0, dtype=torch.long), None, None)  # the last step's hashes (sorted) and candidates
+        self._drawn = (np.empty(0, dtype=np.int64), None, None)  # the last step's hashes (sorted) and candidates
 
     def seed_hidden(self, target_features: torch.Tensor) -> torch.Tensor:
         """[m, F] -> [m, 1] states (a step's state is its row's hash, whatever the input)."""
@@ -169,17 +173,19 @@ class SyntheticDrafter(nn.Module):
         with self.emulated.hold(seconds):
             hashes = row_hashes(tokens, positions, kv, mask, self.law.context)  # [B, N]
             if seconds > 0:  # in the device's time (a step of no time leaves them to `top_candidates`)
-                drawn = hashes.flatten().unique()  # sorted
+                drawn = np.unique(hashes)  # sorted
                 self._drawn = (drawn, *draft_candidates(drawn, self.law, self.law.ranked))
-            return hashes.float()[..., None]  # exact: hashes < 2^24
+            return torch.from_numpy(hashes.astype(np.float32))[..., None]  # exact: hashes < 2^24
 
     def top_candidates(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Q, 1] states -> the law's k likeliest tokens [Q, k] and their probabilities [Q, k] float64 (drawn by the
         last step of some device time when it made them all)."""
-        h = states[:, 0].long()
+        h = states[:, 0].numpy().astype(np.int64)
         drawn, tokens, probs = self._drawn
         if len(drawn):
-            at = torch.searchsorted(drawn, h).clamp(max=len(drawn) - 1)
-            if bool((drawn[at] == h).all()):
-                return tokens[at, :k], probs[at, :k]
-        return draft_candidates(h, self.law, k)
+            at = np.searchsorted(drawn, h).clip(max=len(drawn) - 1)
+            if (drawn[at] == h).all():
+                tokens, probs = tokens[at, :k], probs[at, :k]
+                return torch.from_numpy(tokens), torch.from_numpy(probs)
+        tokens, probs = draft_candidates(h, self.law, k)
+        return torch.from_numpy(tokens), torch.from_numpy(probs)
