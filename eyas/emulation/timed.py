@@ -185,7 +185,6 @@ class SyntheticDrafter(nn.Module):
         if len(drawn):
             at = np.searchsorted(drawn, h).clip(max=len(drawn) - 1)
             if (drawn[at] == h).all():
-                tokens, probs = tokens[at, :k], probs[at, :k]
-                return torch.from_numpy(tokens), torch.from_numpy(probs)
+                return torch.from_numpy(tokens[at, :k]), torch.from_numpy(probs[at, :k])
         tokens, probs = draft_candidates(h, self.law, k)
         return torch.from_numpy(tokens), torch.from_numpy(probs)
