@@ -21,6 +21,7 @@ from eyas.client.bench.runtime import batching, context_scaling, greedy_vs_hf, s
 from eyas.client.bench.script import Modes
 from eyas.runtime import model as model_module
 from eyas.target import TargetSession
+from eyas.client.bench.floor import wire_floor
 from eyas.client.bench.service import command_line
 
 
@@ -126,6 +127,13 @@ def test_the_service_bench_reads_past_a_process_that_ends_while_it_looks():
     """Finding the coordinator lists /proc, then reads each command line: a process gone in between is skipped."""
     assert command_line(str(os.getpid())) != b""
     assert command_line("4194304999") == b""  # above any pid Linux gives out
+
+
+def test_the_wire_floor_times_round_trips_of_the_sizes_it_names():
+    """The floor a service round's overhead is read against: bare gRPC stream round trips to a fresh process."""
+    floor = wire_floor(request_bytes=1000, reply_bytes=20000, trips=100)
+    assert (floor["request_bytes"], floor["reply_bytes"], floor["trips"]) == (1000, 20000, 90)
+    assert 0 < floor["p10_ms"] <= floor["median_ms"] <= floor["p90_ms"] < 1000
 
 
 def test_every_bench_subcommand_prints_its_help_without_loading_a_bench():

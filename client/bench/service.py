@@ -31,6 +31,7 @@ from eyas.emulation import load_profile
 from eyas.engine import Engine
 from eyas.tree import TreePolicy
 
+from .floor import wire_floor
 from .harness import prompts_for, tree_record
 from .peers import VllmRunner, choose_vllm_k, export_eagle1_for_vllm
 
@@ -355,6 +356,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.concurrency:
             curve = concurrency_curve(engine, client, args.concurrency, args)
         service_tree = client.status().get("tree_chosen")
+    floor = wire_floor()
 
     def median(runs: list[dict], *keys: str) -> float:
         values = []
@@ -393,6 +395,9 @@ def run(args: argparse.Namespace) -> dict:
             "service_ms_per_round": service_ms,
             "service_breakdown_ms_per_round": {p: median(sequential, "service_breakdown_ms_per_round", p) for p in SERVICE_PHASES},
             "service_overhead": service_ms / local_ms - 1,
+            "service_overhead_ms_per_round": service_ms - local_ms,
+            "wire_floor": floor,  # a bare gRPC stream round trip between two processes, this machine, this run
+            "overhead_over_wire_floor": (service_ms - local_ms) / floor["median_ms"],
             "in_process_cpu_ms_per_round": median(sequential, "in_process_cpu_ms_per_round"),
             "service_cpu_ms_per_round_coordinator_and_workers": median(sequential, "service_cpu_ms_per_round"),
             "in_process_ahead_hit_rate": median(sequential, "in_process_ahead_hit_rate"),
