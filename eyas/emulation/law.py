@@ -4,8 +4,9 @@ A row's context is the tokens it sees (its KV: the committed prefix and its tree
 target's and the drafter's outputs for a row are functions of the hash of its last `law.context` tokens, so a
 tree's rows score exactly as plain decoding of their paths would (docs/emulation.md).
 
-Pure numpy over int64 hashes: a real device computes these outputs off the host, so the host pays as little for
-them as it can (docs/emulation.md, "The law's host cost").
+Numpy over int64 hashes (torch only once per law, for the drafter's two probability rows): a real device computes
+these outputs off the host, so the host pays as little for them as it can (docs/emulation.md, "The law's host
+cost").
 """
 
 from __future__ import annotations
