@@ -247,9 +247,10 @@ def verification_from_proto(msg: pb.Verification, feature_width: int, with_featu
     experts = frozenset((e.layer, e.expert) for e in msg.experts)
     row_probs = None
     if msg.HasField("row_acceptance"):
-        row_probs = tensor_from_proto(msg.row_acceptance, "row_acceptance", ("float64",), 1)
-        if not bool(((row_probs >= 0) & (row_probs <= 1)).all()):
+        array = array_from_proto(msg.row_acceptance, "row_acceptance", ("float64",), 1)
+        if not (array >= 0).all() or not (array <= 1).all():  # NaN fails both
             raise WireError("row_acceptance", "every row's acceptance is a probability")
+        row_probs = torch.from_numpy(array)
     return Verification(decision, features, experts, msg.branch_kv_bytes, row_probs)
 
 

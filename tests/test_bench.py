@@ -22,7 +22,7 @@ from eyas.client.bench.script import Modes
 from eyas.runtime import model as model_module
 from eyas.target import TargetSession
 from eyas.client.bench.floor import wire_floor
-from eyas.client.bench.service import command_line
+from eyas.client.bench.service import command_line, scheduler_seconds
 
 
 def test_bench_record_has_every_system_and_ratio(tmp_path, capsys):
@@ -160,3 +160,11 @@ def test_every_bench_subcommand_prints_its_help_without_loading_a_bench():
     names, loaded = json.loads(done.stdout.splitlines()[-1])
     assert {"peers", "tree", "service", "runtime", "forward", "trace", "groups", "failover", "profile"} <= set(names)
     assert loaded == []
+
+
+def test_scheduler_seconds_count_this_process_running_and_its_switches():
+    """The service bench's CPU wait a round: every thread's run and runnable-wait seconds and switches (schedstat)."""
+    before = scheduler_seconds([os.getpid()])
+    sum(i * i for i in range(200_000))
+    after = scheduler_seconds([os.getpid()])
+    assert after[0] > before[0] and after[1] >= before[1] and after[2] >= before[2]

@@ -4,6 +4,7 @@ The law is tested statistically: each check's false-alarm rate under the law is 
 about 1e-5 per check), so a benchmark that relies on the law cannot drift from it silently.
 """
 
+import hashlib
 import math
 import random
 import time
@@ -14,8 +15,8 @@ import torch
 
 from eyas import Engine
 from eyas.emulation import EmulatedDevice, ProfileError, load_profile
-from eyas.emulation.law import draft_candidates, target_logits
-from eyas.emulation.profile import profile_from_dict
+from eyas.emulation.law import context_hashes, draft_candidates, target_logits
+from eyas.emulation.profile import Law, profile_from_dict
 from eyas.emulation.timed import TimedTarget
 from eyas.proposer import Seed
 from eyas.rounds import start
@@ -206,3 +207,26 @@ def test_a_forest_grows_each_tree_as_it_would_grow_alone(stop):
         assert all(torch.equal(grown.states[n], alone.states[n]) for n in alone.states)
         assert {n: len(r) for n, r in grown.path_rows.items()} == {n: len(r) for n, r in alone.path_rows.items()}
     target.close(), draft.close()
+
+
+def test_the_laws_outputs_are_pinned():
+    """The default law's exact outputs, so that a change to them (which the rate tests above might not see) shows:
+    every benchmark figure on timed models assumes them. Integer and IEEE-exact outputs by digest; the drafter's
+    probabilities (a softmax, computed once per law) to a tolerance."""
+    law = Law()
+    h = np.arange(0, 1 << 24, 4099, dtype=np.int64)  # [4093] hashes over the law's range
+    rng = np.random.default_rng(0)
+    tokens, keys = rng.integers(0, law.vocab, (3, 9)), np.tile(np.arange(9), (3, 1))  # [3, 9]
+    seen, rows = rng.random((3, 5, 9)) < 0.7, np.tile(np.arange(4, 9), (3, 1))  # [3, 5, 9], [3, 5]
+    hashes = context_hashes(tokens, keys, seen, rows, law.context)
+    candidates, probs = draft_candidates(h, law, 8)
+    digest = hashlib.sha256()
+    for array in (hashes, target_logits(h, law), candidates):
+        digest.update(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+    assert hashes[0].tolist() == [15258660, 9074565, 13024930, 16395871, 7091231]
+    assert digest.hexdigest() == "bced3108797f081beb72bfd126443b535f556f464ef838de15a0a0e3e6b3591b"
+    assert np.unique(probs[:, 0]) == pytest.approx([0.50341469, 0.86466472])  # unsure, confident
+    engine = Engine.emulated("null", tree={"width": 8, "depth": 6, "budget": 48})
+    out = engine.generate(list(range(1, 9)), max_new_tokens=64, stop_at_eos=False)
+    assert out.token_ids[:12] == [692, 694, 572, 71, 517, 439, 420, 811, 93, 777, 90, 126]
+    assert out.stats.rounds == 12

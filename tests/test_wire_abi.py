@@ -192,11 +192,14 @@ def test_records_and_row_acceptance_that_do_not_fit_are_refused_by_name(round_pa
     with pytest.raises(wire.WireError) as err:
         wire.validate_verification(short, proposal.tree, engine.target.vocab_size)
     assert err.value.field == "row_acceptance"
-    outside = pb.Verification.FromString(wire.verification_to_proto(verification, ref).SerializeToString())
-    outside.row_acceptance.CopyFrom(wire.tensor_to_proto(verification.row_probs + 2.0))
-    with pytest.raises(wire.WireError) as err:
-        wire.verification_from_proto(outside, engine.target.feature_width)
-    assert err.value.field == "row_acceptance"
+    nan = verification.row_probs.clone()
+    nan[-1] = float("nan")
+    for values in (verification.row_probs + 2.0, -verification.row_probs - 1.0, nan):
+        outside = pb.Verification.FromString(wire.verification_to_proto(verification, ref).SerializeToString())
+        outside.row_acceptance.CopyFrom(wire.tensor_to_proto(values))
+        with pytest.raises(wire.WireError) as err:
+            wire.verification_from_proto(outside, engine.target.feature_width)
+        assert err.value.field == "row_acceptance"
 
 
 def test_local_yaml_is_the_documented_default():

@@ -48,6 +48,20 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def scheduler_seconds(pids: list[int]) -> tuple[float, float, int]:
+    """Seconds these processes' threads have run and waited runnable for a CPU, and their switches onto one, so far
+    (Linux /proc schedstat; a thread that ended since is left out)."""
+    ran = waited = switches = 0
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                run, wait, slices = map(int, Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # ended since the tasks were listed
+            ran, waited, switches = ran + run, waited + wait, switches + slices
+    return ran / 1e9, waited / 1e9, switches
+
+
 def command_line(pid: str) -> bytes:
     """A process's command line from /proc; empty for one that ended since /proc was listed."""
     try:
@@ -89,6 +103,7 @@ def one_at_a_time(
     local = dict.fromkeys(ENGINE_PHASES, 0.0)
     remote = dict.fromkeys(SERVICE_PHASES, 0.0)
     local_wall = remote_wall = local_cpu = remote_cpu = off_wall = 0.0
+    local_sched, remote_sched = [0.0, 0.0, 0], [0.0, 0.0, 0]  # (ran, waited for a CPU, switches)
     rounds = tokens = local_hits = remote_hits = remote_rounds = off_rounds = 0
     identical, outputs = True, []
     pids = service_pids(client)
@@ -99,14 +114,16 @@ def one_at_a_time(
             off = ahead_off.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
             off_wall += time.perf_counter() - started
             off_rounds += off.stats.rounds
-        started, cpu = time.perf_counter(), time.process_time()
+        started, cpu, sched = time.perf_counter(), time.process_time(), scheduler_seconds([os.getpid()])
         gen = engine.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
         local_wall += time.perf_counter() - started
         local_cpu += time.process_time() - cpu
-        started, cpu = time.perf_counter(), cpu_seconds(pids)
+        local_sched = [total + after - before for total, after, before in zip(local_sched, scheduler_seconds([os.getpid()]), sched)]
+        started, cpu, sched = time.perf_counter(), cpu_seconds(pids), scheduler_seconds(pids)
         result = client.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
         remote_wall += time.perf_counter() - started
         remote_cpu += cpu_seconds(pids) - cpu
+        remote_sched = [total + after - before for total, after, before in zip(remote_sched, scheduler_seconds(pids), sched)]
         identical &= result.token_ids == gen.token_ids and (ahead_off is None or off.token_ids == gen.token_ids)
         outputs.append(gen.token_ids)
         rounds += gen.stats.rounds
@@ -131,6 +148,11 @@ def one_at_a_time(
         "service_tokens_per_s": tokens / remote_wall,
         "in_process_cpu_ms_per_round": 1e3 * local_cpu / rounds,
         "service_cpu_ms_per_round": 1e3 * remote_cpu / remote_rounds,
+        # threads runnable but waiting for a CPU, and switches onto one (this process; the coordinator and workers)
+        "in_process_cpu_wait_ms_per_round": 1e3 * local_sched[1] / rounds,
+        "service_cpu_wait_ms_per_round": 1e3 * remote_sched[1] / remote_rounds,
+        "in_process_switches_per_round": local_sched[2] / rounds,
+        "service_switches_per_round": remote_sched[2] / remote_rounds,
         "in_process_ahead_hit_rate": local_hits / rounds,
         "service_ahead_hit_rate": remote_hits / remote_rounds,
         # rounds whose tree the target took from trees offered while it verified the last (docs/wire.md, step 8)
@@ -400,6 +422,10 @@ def run(args: argparse.Namespace) -> dict:
             "overhead_over_wire_floor": (service_ms - local_ms) / floor["median_ms"],
             "in_process_cpu_ms_per_round": median(sequential, "in_process_cpu_ms_per_round"),
             "service_cpu_ms_per_round_coordinator_and_workers": median(sequential, "service_cpu_ms_per_round"),
+            "in_process_cpu_wait_ms_per_round": median(sequential, "in_process_cpu_wait_ms_per_round"),
+            "service_cpu_wait_ms_per_round_coordinator_and_workers": median(sequential, "service_cpu_wait_ms_per_round"),
+            "in_process_switches_per_round": median(sequential, "in_process_switches_per_round"),
+            "service_switches_per_round_coordinator_and_workers": median(sequential, "service_switches_per_round"),
             "in_process_ahead_hit_rate": median(sequential, "in_process_ahead_hit_rate"),
             "service_ahead_hit_rate": median(sequential, "service_ahead_hit_rate"),
             "service_options_taken_rate": median(sequential, "service_options_taken_rate"),
