@@ -167,7 +167,9 @@ def one_at_a_time(
 def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """All prompts at once through the service: tokens/s, each request's latency (p50, p99), where a round's time
     went (as `one_at_a_time` splits it, now with batch-mates), how busy each pool's workers were, and how many CPU
-    cores the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain)."""
+    cores the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain). A worker's calls'
+    compute seconds a second count a batched forward once for each call in it; its forwards' own busy fraction is
+    `forwards`."""
     pids = service_pids(client)
     before, cpu = busy_seconds(client), cpu_seconds(pids)
     counted = forward_counters(client)
@@ -181,7 +183,7 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
         results, latencies = zip(*pool.map(timed, prompts))
     wall = time.perf_counter() - started
     cores = (cpu_seconds(pids) - cpu) / wall
-    busy = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
+    call_compute = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
     forwards = {}
     for pool, (n, calls, seconds) in forward_counters(client).items():
         n0, calls0, seconds0 = counted[pool]
@@ -191,7 +193,7 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
     latency = dict(zip(("p50", "p99"), percentiles(latencies, (50, 99))))
     rounds = sum(r.stats["rounds"] for r in results)
     split = {p: 1e3 * sum(r.stats["service_seconds"][p] for r in results) / rounds for p in SERVICE_PHASES}
-    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "request_rounds_per_s": request_rounds_per_s, "busy": busy, "forwards": forwards,
+    return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "request_rounds_per_s": request_rounds_per_s, "call_compute": call_compute, "forwards": forwards,
             "cores": cores, "latency_s": latency, "breakdown_ms_per_round": split}
 
 
@@ -297,7 +299,7 @@ def scaling(config: ServiceConfig, prompts: list[list[int]], args: argparse.Name
             "tokens_per_s": load["tokens_per_s"],
             "request_rounds_per_s": load["request_rounds_per_s"],
             "over_first": load["tokens_per_s"] / runs[0]["tokens_per_s"] if runs else 1.0,
-            "busy": load["busy"],
+            "call_compute_s_per_s": load["call_compute"],
             "latency_s": load["latency_s"],
             "breakdown_ms_per_round": load["breakdown_ms_per_round"],
         })
@@ -435,7 +437,7 @@ def run(args: argparse.Namespace) -> dict:
             "service_one_at_a_time_tokens_per_s": one,
             f"service_{args.requests}_concurrent_tokens_per_s": many,
             "concurrency_gain": many / one,
-            "concurrent_busy_fraction_per_worker": {pool: median(parallel, "busy", pool) for pool in ("draft", "target")},
+            "concurrent_call_compute_s_per_s_per_worker": {pool: median(parallel, "call_compute", pool) for pool in ("draft", "target")},
             "concurrent_forwards": {
                 pool: {key: median(parallel, "forwards", pool, key) for key in ("calls_per_forward", "forward_busy_fraction")}
                 for pool in ("draft", "target")
