@@ -166,10 +166,9 @@ def one_at_a_time(
 
 def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """All prompts at once through the service: tokens/s, each request's latency (p50, p99), where a round's time
-    went (as `one_at_a_time` splits it, now with batch-mates), how busy each pool's workers were, and how many CPU
-    cores the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain). A worker's calls'
-    compute seconds a second count a batched forward once for each call in it; its forwards' own busy fraction is
-    `forwards`."""
+    went (as `one_at_a_time` splits it, now with batch-mates), each pool's compute seconds of calls a second per
+    worker (a batched forward counts once for each call in it), how busy its forwards kept it, and how many CPU cores
+    the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain)."""
     pids = service_pids(client)
     before, cpu = busy_seconds(client), cpu_seconds(pids)
     counted = forward_counters(client)
