@@ -70,12 +70,18 @@ def command_line(pid: str) -> bytes:
         return b""
 
 
+def service_processes(client: Client) -> dict[int, str]:
+    """The coordinator's and every worker's process id, with its pool's name or "coordinator" (all on this machine;
+    the coordinator is the one below this process, whose embedded Ray started it: other services on a shared machine
+    have theirs)."""
+    workers = {w["pid"]: pool["name"] for pool in client.status()["pools"] for w in pool["workers"]}
+    coordinator = {pid: "coordinator" for pid in descendants(os.getpid()) if command_line(str(pid)).startswith(b"ray::Coordinator")}
+    return workers | coordinator
+
+
 def service_pids(client: Client) -> list[int]:
-    """The coordinator's and every worker's process id (all on this machine; the coordinator is the one below this
-    process, whose embedded Ray started it: other services on a shared machine have theirs)."""
-    workers = [w["pid"] for pool in client.status()["pools"] for w in pool["workers"]]
-    coordinator = [pid for pid in descendants(os.getpid()) if command_line(str(pid)).startswith(b"ray::Coordinator")]
-    return workers + coordinator
+    """The coordinator's and every worker's process id (`service_processes`)."""
+    return list(service_processes(client))
 
 
 def descendants(root: int) -> list[int]:
@@ -168,9 +174,10 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
     """All prompts at once through the service: tokens/s, each request's latency (p50, p99), where a round's time
     went (as `one_at_a_time` splits it, now with batch-mates), each pool's compute seconds of calls a second per
     worker (a batched forward counts once for each call in it), how busy its forwards kept it, and how many CPU cores
-    the coordinator and workers got (on a shared machine, the ceiling of any concurrency gain)."""
-    pids = service_pids(client)
-    before, cpu = busy_seconds(client), cpu_seconds(pids)
+    the coordinator and workers got, in all and each (on a shared machine, the ceiling of any concurrency gain; one
+    process's interpreter lock holds its host work under one core)."""
+    roles = service_processes(client)
+    before, cpu = busy_seconds(client), {pid: cpu_seconds([pid]) for pid in roles}
     counted = forward_counters(client)
     started = time.perf_counter()
 
@@ -181,7 +188,9 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
     with ThreadPoolExecutor(len(prompts)) as pool:
         results, latencies = zip(*pool.map(timed, prompts))
     wall = time.perf_counter() - started
-    cores = (cpu_seconds(pids) - cpu) / wall
+    by_process = {pid: (cpu_seconds([pid]) - cpu[pid]) / wall for pid in roles}  # CPU cores each process used
+    cores = sum(by_process.values())
+    cores_by_role = {role: sorted((used for pid, used in by_process.items() if roles[pid] == role), reverse=True) for role in sorted(set(roles.values()))}
     call_compute = {pool: (seconds - before[pool]) / wall for pool, seconds in busy_seconds(client).items()}
     forwards = {}
     for pool, (n, calls, seconds) in forward_counters(client).items():
@@ -193,7 +202,7 @@ def concurrently(client: Client, prompts: list[list[int]], max_new_tokens: int) 
     rounds = sum(r.stats["rounds"] for r in results)
     split = {p: 1e3 * sum(r.stats["service_seconds"][p] for r in results) / rounds for p in SERVICE_PHASES}
     return {"outputs": [r.token_ids for r in results], "tokens_per_s": tokens_per_s, "request_rounds_per_s": request_rounds_per_s, "call_compute": call_compute, "forwards": forwards,
-            "cores": cores, "latency_s": latency, "breakdown_ms_per_round": split}
+            "cores": cores, "cores_by_role": cores_by_role, "latency_s": latency, "breakdown_ms_per_round": split}
 
 
 def percentiles(values: list[float], ranks: tuple[float, ...]) -> list[float]:
@@ -299,6 +308,9 @@ def scaling(config: ServiceConfig, prompts: list[list[int]], args: argparse.Name
             "request_rounds_per_s": load["request_rounds_per_s"],
             "over_first": load["tokens_per_s"] / runs[0]["tokens_per_s"] if runs else 1.0,
             "call_compute_s_per_s": load["call_compute"],
+            "forwards": load["forwards"],
+            "cpu_cores_used_by_service": load["cores"],  # the coordinator's and workers' CPU seconds a second
+            "cpu_cores_by_process": load["cores_by_role"],  # each pool's processes (busiest first) and the coordinator
             "latency_s": load["latency_s"],
             "breakdown_ms_per_round": load["breakdown_ms_per_round"],
         })
