@@ -44,7 +44,7 @@ from eyas.v1 import tensor_pb2 as tpb
 from .errors import STATUS_CODES, ServiceError
 from .limits import MAX_ID_BYTES, MAX_ROUND_ID_BYTES
 from .server import CHANNEL_OPTIONS, Clock
-from .streams import BatchStream, StreamEnded
+from .streams import BatchStream, StreamEnded, status_code
 from .worker import Served, Worker
 
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -499,7 +499,7 @@ class DraftWorker(Worker):
             if reply.ref != msg.ref:
                 raise wire.WireError("ref", "the target's prefill names another request or version")
         except grpc.RpcError as exc:
-            call.fail(ServiceError(exc.code(), target_field(field_of(exc.trailing_metadata())), f"the target worker at {msg.target}: {exc.details()}"))
+            call.fail(ServiceError(status_code(exc), target_field(field_of(exc.trailing_metadata())), f"the target worker at {msg.target}: {exc.details()}"))
             return
         except (DecodeError, wire.WireError) as exc:
             call.fail(ServiceError(grpc.StatusCode.INTERNAL, "target", f"the target worker at {msg.target} answered no prefill: {exc}"))

@@ -36,7 +36,7 @@ from eyas.v1 import tensor_pb2 as tpb
 
 from .errors import STATUS_CODES
 from .server import CHANNEL_OPTIONS, PHASES, parse_timing
-from .streams import BatchStream, StreamEnded
+from .streams import BatchStream, StreamEnded, status_code
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -302,7 +302,7 @@ class WorkerClient:
 
     def _translate(self, error: grpc.RpcError, behind: "WorkerClient | None" = None) -> Exception:
         field = field_of(error.trailing_metadata())
-        return refusal(self.blamed(field, behind), error.code(), field, error.details())
+        return refusal(self.blamed(field, behind), status_code(error), field, error.details())
 
     def blamed(self, field: str, behind: "WorkerClient | None") -> "WorkerClient":
         """The worker a refusal naming `field` comes from: the one `behind` this one when the field is the target's."""

@@ -15,10 +15,23 @@ from collections.abc import Callable
 
 import grpc
 
-from eyas.rpc import field_of
+from eyas.rpc import FIELD_KEY, field_of
 from eyas.v1 import round_pb2 as pb
 
 from .server import CHANNEL_OPTIONS
+
+
+BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)  # what gRPC's core may end a broken connection's call with
+
+
+def status_code(error: grpc.RpcError) -> grpc.StatusCode:
+    """A failed call's status code as the worker meant it: an INTERNAL or UNKNOWN that carries no `eyas-field`
+    trailer was set by gRPC's core, not by a worker (every worker refusal carries one), so the connection broke and
+    the worker is lost: UNAVAILABLE."""
+    code = error.code()
+    if code in BROKEN and not any(key == FIELD_KEY for key, _ in error.trailing_metadata() or ()):
+        return grpc.StatusCode.UNAVAILABLE
+    return code
 
 
 class StreamEnded(Exception):
@@ -60,7 +73,7 @@ class BatchStream:
         except asyncio.TimeoutError:
             raise StreamEnded(grpc.StatusCode.DEADLINE_EXCEEDED, "", f"no reply from {self.address} within {timeout:g}s") from None
         except grpc.RpcError as exc:  # the write failed: the stream is over
-            raise StreamEnded(exc.code(), "", exc.details() or "") from None
+            raise StreamEnded(status_code(exc), "", exc.details() or "") from None
         finally:
             self._waiting.pop(batch.id, None)
 
@@ -85,7 +98,7 @@ class BatchStream:
                 if answer is not None and not answer.done():
                     answer.set_result(reply)
         except grpc.RpcError as exc:
-            ended = StreamEnded(exc.code(), field_of(exc.trailing_metadata()), exc.details() or "")
+            ended = StreamEnded(status_code(exc), field_of(exc.trailing_metadata()), exc.details() or "")
         except Exception as exc:  # a reply that is no CallBatchReply: the stream cannot be trusted further
             ended = StreamEnded(grpc.StatusCode.INTERNAL, "results", f"the worker at {self.address} answered no CallBatchReply: {exc}")
             call.cancel()

@@ -23,14 +23,14 @@ from eyas.actors.config import PoolConfig
 from eyas.actors.draft_worker import DraftWorker
 from eyas.actors.proxy import CallTiming, RemoteCall, RemoteRequest, WorkerClient
 from eyas.actors.routing import PoolError
-from eyas.actors.streams import BatchStream
+from eyas.actors.streams import BatchStream, StreamEnded, status_code
 from eyas.actors.target_worker import TargetWorker
 from eyas.actors.worker import WorkerSpec
 from eyas.cluster.pools import Pool
 from eyas.errors import WireError
 from eyas.publish import publish
 from eyas.rounds import run_round, start
-from eyas.rpc import TOKEN_KEY, field_of
+from eyas.rpc import FIELD_KEY, TOKEN_KEY, field_of
 from eyas.target import TargetSession
 from eyas.tree import DraftTree, TreePolicy, flatten
 from eyas.v1 import round_pb2 as pb
@@ -583,6 +583,38 @@ def test_batches_on_a_stream_are_answered_by_id_and_a_bad_message_ends_only_its_
         call(target, "Release", pb.Release(ref=probe.ref()))
     assert refusal.code() == INVALID and field_of(refusal.trailing_metadata()) == "message"
     assert again.id == 3 and list(again.results) == []
+
+
+def test_a_stream_broken_under_a_call_reads_as_its_worker_lost_and_a_workers_own_refusal_as_itself():
+    """gRPC's core may end a call on a broken connection (a worker killed mid-stream) with INTERNAL or UNKNOWN; no
+    eyas handler sets those without its `eyas-field` trailer, so they read as UNAVAILABLE (the coordinator rebuilds
+    the request) while a worker's own INTERNAL, and any other status, keep their code."""
+
+    async def ended(code: grpc.StatusCode, trailer: tuple) -> StreamEnded:
+        async def handle(requests, context):
+            async for _ in requests:
+                await context.abort(code, "Internal error from Core", trailing_metadata=trailer)
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Worker", {"Stream": grpc.stream_stream_rpc_method_handler(handle)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stream = BatchStream(f"127.0.0.1:{port}", "probe.Worker", ())
+        try:
+            with pytest.raises(StreamEnded) as err:
+                await stream.call(pb.CallBatch(method="Verify"), 30)
+        finally:
+            await stream.close()
+            await server.stop(None)
+        return err.value
+
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        assert asyncio.run(ended(code, ())).code == grpc.StatusCode.UNAVAILABLE
+        own = asyncio.run(ended(code, ((FIELD_KEY, "tree.tokens"),)))
+        assert (own.code, own.field) == (code, "tree.tokens")
+    assert asyncio.run(ended(grpc.StatusCode.UNAUTHENTICATED, ())).code == grpc.StatusCode.UNAUTHENTICATED
+    bare = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core")
+    assert status_code(bare) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_released_requests_leave_no_session_and_no_kv(workers):
