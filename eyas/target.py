@@ -301,10 +301,8 @@ class TargetSession:
         if not accepted_rows or accepted_rows[0] != 0 or any(not 0 <= r < self.provisional for r in accepted_rows):
             raise ValueError(f"accepted_rows: {list(accepted_rows)} is not a path of the {self.provisional} verified rows")
         n = len(accepted_rows)
-        src = self.committed + torch.tensor(accepted_rows)
-        dst = torch.arange(self.committed, self.committed + n)
-        if not torch.equal(src, dst):
-            self.model.move_rows(self.slot, src, dst)
+        if accepted_rows != tuple(range(n)):  # the path's rows move down behind the committed ones
+            self.model.move_rows(self.slot, self.committed + torch.tensor(accepted_rows), torch.arange(self.committed, self.committed + n))
         self.committed += n
         self.provisional = 0
         self.version = version + 1

@@ -16,12 +16,15 @@ from .errors import WireError
 from .v1 import round_pb2 as pb
 from .v1 import tensor_pb2 as tpb
 
-# wire dtype name -> little-endian numpy type of its bytes (bfloat16 travels as its int16 bit pattern)
-WIRE_ARRAY_TYPES = {
-    "bool": "<u1", "int32": "<i4", "int64": "<i8", "float16": "<i2", "bfloat16": "<i2", "float32": "<i4", "float64": "<i8",
+# wire dtype name -> the little-endian numpy type of its bytes (bfloat16 travels as its int16 bit pattern), the same
+# type in native order, and the value type the bytes are viewed as (None: kept as the bit pattern)
+WIRE_ARRAYS = {
+    name: (np.dtype(little), np.dtype(little).newbyteorder("="), value)
+    for name, little, value in (
+        ("bool", "<u1", np.bool_), ("int32", "<i4", None), ("int64", "<i8", None), ("float16", "<i2", None),
+        ("bfloat16", "<i2", None), ("float32", "<i4", np.float32), ("float64", "<i8", np.float64),
+    )
 }
-NUMPY_VALUE_TYPES = {"bool": np.bool_, "int32": np.int32, "int64": np.int64, "float16": np.float16,
-                     "float32": np.float32, "float64": np.float64}
 
 
 class TreeError(ValueError):
@@ -105,11 +108,14 @@ def ancestry(parents: list[int]) -> list[list[bool]]:
 
 
 def leaf_paths(parents: list[int]) -> list[list[int]]:
-    """[L][max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1."""
-    is_parent = set(p for p in parents if p >= 0)
-    paths = [path_to(parents, leaf) for leaf in range(len(parents)) if leaf not in is_parent]
-    width = max((len(p) for p in paths), default=0)
-    return [p + [-1] * (width - len(p)) for p in paths]
+    """[L][max_depth + 1] root-to-leaf row paths (leaves in row order), padded with -1; parents must precede children."""
+    paths: list[list[int]] = []  # each row's path: its parent's, then itself
+    for i, p in enumerate(parents):
+        paths.append(paths[p] + [i] if p >= 0 else [i])
+    is_parent = set(parents)
+    leaves = [path for i, path in enumerate(paths) if i not in is_parent]
+    width = max(map(len, leaves), default=0)
+    return [path + [-1] * (width - len(path)) for path in leaves]
 
 
 def check_fit(num_rows: int, root: int | None, *, budget: int | None = None, root_token: int | None = None) -> None:
@@ -198,16 +204,16 @@ def array_from_proto(msg: tpb.Tensor, field: str, dtypes: tuple[str, ...], ndim:
     shape = tuple(msg.shape)
     if len(shape) != ndim or any(d < 0 for d in shape):
         raise WireError(f"{field}.shape", f"{list(shape)} is not a valid rank-{ndim} shape")
-    little = np.dtype(WIRE_ARRAY_TYPES[msg.dtype])
+    little, native, value = WIRE_ARRAYS[msg.dtype]
     expected = math.prod(shape) * little.itemsize
     data = msg.data  # each read of a bytes field copies it
     if len(data) != expected:
         raise WireError(f"{field}.data", f"{len(data)} bytes for shape {list(shape)} of {msg.dtype} ({expected} expected)")
-    array = np.frombuffer(data, dtype=little).astype(little.newbyteorder("="))  # a writable copy in native order
-    if msg.dtype == "bool" and array.size and array.max() > 1:
+    array = np.frombuffer(data, dtype=little).astype(native)  # a writable copy in native order
+    if value is np.bool_ and array.size and array.max() > 1:
         raise WireError(f"{field}.data", "bool tensors hold only the bytes 0 and 1")
-    if msg.dtype in ("bool", "float32", "float64"):
-        array = array.view(NUMPY_VALUE_TYPES[msg.dtype])
+    if value is not None:
+        array = array.view(value)
     return array.reshape(shape)
 
 

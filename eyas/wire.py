@@ -9,6 +9,7 @@ package stays usable without the service.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -18,7 +19,7 @@ from .request import make_sampling
 from .rounds import Proposal, Verification
 from .treerows import AcceptanceDecision, TreeError, array_from_proto, check_decision, decision_from_proto
 from .sampling import SamplingParams
-from .tree import DraftTree, FlattenedTree, TreePolicy
+from .tree import ARRAY_FIELDS, DraftTree, FlattenedTree, TreePolicy
 from .v1 import round_pb2 as pb
 from .v1 import tensor_pb2 as tpb
 
@@ -33,6 +34,8 @@ DTYPES = {
     "float64": (torch.float64, torch.int64, "<i8"),
 }
 DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _, _) in DTYPES.items()}
+# numpy value type (native order) -> (dtype name, its little-endian type)
+ARRAY_TYPES = {np.dtype(name): (name, np.dtype(name).newbyteorder("<")) for name in ("bool", "int32", "int64", "float32", "float64")}
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -65,6 +68,16 @@ def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
     _, view, little = DTYPES[name]
     data = tensor.detach().cpu().contiguous().view(view).numpy().astype(little, copy=False).tobytes()
     return tpb.Tensor(dtype=name, shape=list(tensor.shape), data=data)
+
+
+def array_to_proto(array: np.ndarray) -> tpb.Tensor:
+    """Raw little-endian bytes of a numpy array of a wire value type (bool, int32, int64, float32, float64), with its
+    dtype name and shape."""
+    typed = ARRAY_TYPES.get(array.dtype)
+    if typed is None:
+        raise WireError("dtype", f"{array.dtype} has no wire encoding")
+    name, little = typed
+    return tpb.Tensor(dtype=name, shape=array.shape, data=array.astype(little, copy=False).tobytes())
 
 
 def tensor_from_proto(msg: tpb.Tensor, field: str, dtypes: tuple[str, ...], ndim: int) -> torch.Tensor:
@@ -100,17 +113,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def tree_to_proto(tree: FlattenedTree, request: tpb.RequestRef) -> pb.FlattenedTree:
-    return pb.FlattenedTree(
-        ref=request,
-        tokens=tensor_to_proto(tree.tokens),
-        parents=tensor_to_proto(tree.parents),
-        depths=tensor_to_proto(tree.depths),
-        positions=tensor_to_proto(tree.positions),
-        mask=tensor_to_proto(tree.mask),
-        retrieve=tensor_to_proto(tree.retrieve),
-        draft_probs=tensor_to_proto(tree.draft_probs),
-        prefix_len=tree.prefix_len,
-    )
+    rows = tree.arrays()
+    return pb.FlattenedTree(ref=request, prefix_len=tree.prefix_len, **{name: array_to_proto(getattr(rows, name)) for name in ARRAY_FIELDS})
 
 
 def tree_from_proto(msg: pb.FlattenedTree) -> FlattenedTree:
@@ -248,7 +252,7 @@ def verification_from_proto(msg: pb.Verification, feature_width: int, with_featu
     row_probs = None
     if msg.HasField("row_acceptance"):
         array = array_from_proto(msg.row_acceptance, "row_acceptance", ("float64",), 1)
-        if not (array >= 0).all() or not (array <= 1).all():  # NaN fails both
+        if array.size and not 0.0 <= array.min() <= array.max() <= 1.0:  # a NaN is the min and the max, and fails
             raise WireError("row_acceptance", "every row's acceptance is a probability")
         row_probs = torch.from_numpy(array)
     return Verification(decision, features, experts, msg.branch_kv_bytes, row_probs)
