@@ -215,7 +215,7 @@ class TargetWorker(Worker):
             raise
         self.sessions[msg.ref.request_id] = session
         clock.lap("compute")
-        reply = pb.PrefillReply(ref=msg.ref, features=wire.tensor_to_proto(features))
+        reply = pb.PrefillReply(ref=msg.ref, features=wire.tensor_fields(features))
         clock.lap("encode")
         return reply
 

@@ -317,19 +317,19 @@ class Worker:
         self, endpoints: dict[str, tuple[type[Message], Callable]], batch: pb.CallBatch
     ) -> tuple[pb.CallBatchReply, list[Served]]:
         """A CallBatch's reply, each call's own result (status, reply, phase seconds, forwards), and the calls."""
-        results = []
         served = await self._serve(batch.method, *endpoints[batch.method], list(batch.calls))
+        reply = pb.CallBatchReply(id=batch.id)
         for call in served:
             timing = {
                 "seconds": [call.clock.seconds[p] for p in PHASES],
-                "forwards": [pb.ForwardCost(rows=rows, seconds=s) for rows, s in call.forwards],
+                "forwards": [{"rows": rows, "seconds": s} for rows, s in call.forwards],
             }
             if call.error is None:
-                results.append(pb.CallResult(code=0, reply=call.data, **timing))
+                reply.results.add(code=0, reply=call.data, **timing)  # built in place: the replies' bytes copied once
             else:
                 code, field, details = status_of(call.error)
-                results.append(pb.CallResult(code=code.value[0], field=field, details=details, **timing))
-        return pb.CallBatchReply(results=results, id=batch.id), served
+                reply.results.add(code=code.value[0], field=field, details=details, **timing)
+        return reply, served
 
     async def _serve(self, method: str, request_type: type[Message], fn: Callable, raws: list[bytes]) -> list[Served]:
         """Serve calls of `method` (`_serve_calls`), finish those that need another worker (`relay`), and encode

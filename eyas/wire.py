@@ -60,14 +60,21 @@ def check_known(msg: Message, path: str = "") -> None:
             check_known(value, f"{path}{field.name}.")
 
 
-def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
-    """Raw little-endian bytes of a CPU tensor, with its dtype name and shape."""
+def tensor_fields(tensor: torch.Tensor) -> dict:
+    """A tensor's `Tensor` fields: its dtype name, shape and raw little-endian bytes. A message built around them
+    from this dict writes the bytes once; built around a `Tensor` message, it copies them again (docs/wire.md,
+    "Copies")."""
     name = DTYPE_NAMES.get(tensor.dtype)
     if name is None:
         raise WireError("dtype", f"{tensor.dtype} has no wire encoding")
     _, view, little = DTYPES[name]
     data = tensor.detach().cpu().contiguous().view(view).numpy().astype(little, copy=False).tobytes()
-    return tpb.Tensor(dtype=name, shape=list(tensor.shape), data=data)
+    return {"dtype": name, "shape": list(tensor.shape), "data": data}
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
+    """Raw little-endian bytes of a CPU tensor, with its dtype name and shape."""
+    return tpb.Tensor(**tensor_fields(tensor))
 
 
 def array_to_proto(array: np.ndarray) -> tpb.Tensor:
@@ -214,26 +221,31 @@ def proposal_from_proto(msg: pb.Proposal, tree_msg: pb.FlattenedTree) -> Proposa
     )
 
 
+def decision_fields(d: AcceptanceDecision, features: torch.Tensor, request: tpb.RequestRef) -> dict:
+    """An `AcceptanceDecision`'s fields, with the accepted rows' target features [len(accepted_rows), F]."""
+    return {
+        "ref": request,
+        "accepted_rows": d.accepted_rows,
+        "accepted_tokens": d.accepted_tokens,
+        "frontier_token": d.frontier_token,
+        "frontier_prob": d.frontier_prob,
+        "accepted_features": tensor_fields(features),
+        "token_probs": d.token_probs,
+    }
+
+
 def decision_to_proto(d: AcceptanceDecision, features: torch.Tensor, request: tpb.RequestRef) -> pb.AcceptanceDecision:
     """A decision with the accepted rows' target features [len(accepted_rows), F]."""
-    return pb.AcceptanceDecision(
-        ref=request,
-        accepted_rows=d.accepted_rows,
-        accepted_tokens=d.accepted_tokens,
-        frontier_token=d.frontier_token,
-        frontier_prob=d.frontier_prob,
-        accepted_features=tensor_to_proto(features),
-        token_probs=d.token_probs,
-    )
+    return pb.AcceptanceDecision(**decision_fields(d, features, request))
 
 
 def verification_to_proto(verification: Verification, request: tpb.RequestRef) -> pb.Verification:
     return pb.Verification(
         ref=request,
-        decision=decision_to_proto(verification.decision, verification.features, request),
+        decision=decision_fields(verification.decision, verification.features, request),
         experts=[pb.Expert(layer=layer, expert=expert) for layer, expert in sorted(verification.experts)],
         branch_kv_bytes=verification.branch_kv_bytes,
-        row_acceptance=None if verification.row_probs is None else tensor_to_proto(verification.row_probs),
+        row_acceptance=None if verification.row_probs is None else tensor_fields(verification.row_probs),
     )
 
 
