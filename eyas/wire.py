@@ -77,14 +77,13 @@ def tensor_to_proto(tensor: torch.Tensor) -> tpb.Tensor:
     return tpb.Tensor(**tensor_fields(tensor))
 
 
-def array_to_proto(array: np.ndarray) -> tpb.Tensor:
-    """Raw little-endian bytes of a numpy array of a wire value type (bool, int32, int64, float32, float64), with its
-    dtype name and shape."""
+def array_fields(array: np.ndarray) -> dict:
+    """`tensor_fields` of a numpy array of a wire value type (bool, int32, int64, float32, float64)."""
     typed = ARRAY_TYPES.get(array.dtype)
     if typed is None:
         raise WireError("dtype", f"{array.dtype} has no wire encoding")
     name, little = typed
-    return tpb.Tensor(dtype=name, shape=array.shape, data=array.astype(little, copy=False).tobytes())
+    return {"dtype": name, "shape": array.shape, "data": array.astype(little, copy=False).tobytes()}
 
 
 def tensor_from_proto(msg: tpb.Tensor, field: str, dtypes: tuple[str, ...], ndim: int) -> torch.Tensor:
@@ -121,7 +120,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 def tree_to_proto(tree: FlattenedTree, request: tpb.RequestRef) -> pb.FlattenedTree:
     rows = tree.arrays()
-    return pb.FlattenedTree(ref=request, prefix_len=tree.prefix_len, **{name: array_to_proto(getattr(rows, name)) for name in ARRAY_FIELDS})
+    return pb.FlattenedTree(ref=request, prefix_len=tree.prefix_len, **{name: array_fields(getattr(rows, name)) for name in ARRAY_FIELDS})
 
 
 def tree_from_proto(msg: pb.FlattenedTree) -> FlattenedTree:
