@@ -2,10 +2,12 @@
 node of a given drafter confidence (`Calibration`, learned from verified rounds), and the likeliest outcomes of a
 round (`likeliest_outcomes`), which drafting ahead pre-builds the next trees for (docs/runtime.md).
 
-Pure bookkeeping over `DraftTree` records: no model, no torch.
+Pure bookkeeping over `DraftTree` records and numpy arrays: no model, no torch.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from .tree import DraftTree
 
@@ -77,16 +79,17 @@ def observed_acceptance(tree: DraftTree, nodes: list[int], accepted: tuple[int, 
 
 
 def likeliest_outcomes(
-    tree: DraftTree, nodes: list[int], candidates: list[list[tuple[int, float]]], rates: Calibration, count: int
+    tree: DraftTree, nodes: list[int], tokens: np.ndarray, probs: np.ndarray, rates: Calibration, count: int
 ) -> list[tuple[float, int, int]]:
     """The `count` likeliest outcomes of verifying `nodes` of `tree` (a flattened tree's nodes, in row order),
-    likeliest first, as (probability, node n, bonus b): the target accepts the path from the root to n, none of n's
-    verified children, and then picks b.
+    likeliest first (ties in row and rank order), as (probability, node n, bonus b): the target accepts the path from
+    the root to n, none of n's verified children, and then picks b.
 
-    `candidates[i]`: the drafter's (token, probability) at nodes[i], best first. The path and the children's
-    rejection are priced at the calibrated acceptance of each node's drafter probability; the bonus at the drafter's
-    probability of b among the tokens that are not n's verified children. With no rounds seen, `rates` takes the
-    drafter about at its word, and this is about the drafter's own probability of the path followed by b.
+    `tokens`, `probs` [N, k]: the drafter's candidate tokens at each of `nodes` and their probabilities (float64),
+    best first. The path and the children's rejection are priced at the calibrated acceptance of each node's drafter
+    probability; the bonus at the drafter's probability of b among the tokens that are not n's verified children.
+    With no rounds seen, `rates` takes the drafter about at its word, and this is about the drafter's own probability
+    of the path followed by b.
     """
     children = children_of(tree, nodes)
     rate = rates.rates()
@@ -94,13 +97,16 @@ def likeliest_outcomes(
     reach = {0: 1.0}
     for n in nodes[1:]:  # a flattened tree's rows: the root first, a parent before its children
         reach[n] = reach[tree.parents[n]] * accept[n]
-    outcomes = []
-    for n, tokens in zip(nodes, candidates):
-        verified = {tree.tokens[c] for c in children[n]}
-        rejected = max(0.0, 1.0 - sum(accept[c] for c in children[n]))
-        rest = max(REST_FLOOR, 1.0 - sum(tree.confidences[c] for c in children[n]))
-        outcomes += [(reach[n] * rejected * q / rest, n, b) for b, q in tokens if b not in verified]
-    return sorted(outcomes, key=lambda o: -o[0])[:count]
+    scale = np.array([reach[n] * max(0.0, 1.0 - sum(accept[c] for c in children[n])) for n in nodes])  # [N]
+    rest = np.array([max(REST_FLOOR, 1.0 - sum(tree.confidences[c] for c in children[n])) for n in nodes])  # [N]
+    weights = scale[:, None] * probs / rest[:, None]  # [N, k]
+    parent = np.array([i for i, n in enumerate(nodes) for _ in children[n]], dtype=np.int64)  # [C]: each child's row
+    child_tokens = np.array([tree.tokens[c] for n in nodes for c in children[n]], dtype=np.int64)  # [C]
+    verified = np.zeros(tokens.shape, dtype=bool)  # [N, k]: a verified child's token is no bonus
+    np.logical_or.at(verified, parent, tokens[parent] == child_tokens[:, None])
+    order = np.argsort(np.where(verified, np.inf, -weights), axis=None, kind="stable")[: min(count, int((~verified).sum()))]
+    at, rank = np.divmod(order, tokens.shape[1])
+    return list(zip(weights[at, rank].tolist(), np.asarray(nodes)[at].tolist(), tokens[at, rank].tolist()))
 
 
 GROWN_TOGETHER_SLACK = 1.25  # a merged level of the first trees may cost this much more than one tree's level

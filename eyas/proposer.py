@@ -584,8 +584,7 @@ class DraftSession:
             # enough candidates per node that `ahead_trees` remain besides its verified children
             width = policy.width + self.model.ahead_trees
             tokens, probs = self.model.served.candidates(torch.stack([states[n] for n in nodes]), width)
-            candidates = [list(zip(t, q)) for t, q in zip(tokens.tolist(), probs.tolist())]
-            outcomes = likeliest_outcomes(tree, nodes, candidates, self.model.calibration, self.model.ahead_trees)
+            outcomes = likeliest_outcomes(tree, nodes, tokens.cpu().numpy(), probs.double().cpu().numpy(), self.model.calibration, self.model.ahead_trees)
             if not outcomes or self._ahead_stop or self._decided is not None:
                 return
             # the bonus rows: each bonus b as a child of its node n, one drafter step (and one head pass) for all
@@ -664,7 +663,9 @@ class DraftSession:
             if not valid.all():
                 raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
             logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
-            trees, expanded = np.unique(tt, return_counts=True)
+            expanded = np.bincount(tt, minlength=n_trees)  # [T]: `tt` is sorted
+            trees = np.flatnonzero(expanded)
+            expanded = expanded[trees]
             first_child = count[tt] + ragged_arange(expanded) * width  # [Q]: each node's children follow its tree's last
             where = np.repeat(tt, width), np.repeat(first_child, width) + np.tile(np.arange(width), len(tt))  # [C] each
             parent = np.repeat(nn, width)  # [C]
@@ -697,7 +698,7 @@ class DraftSession:
             tt, nn = (np.concatenate(x) for x in zip(*picked)) if picked else (np.zeros(0, np.int64),) * 2
             order = np.argsort(tt, kind="stable")  # tree by tree, each tree's best first
             tt, nn = tt[order], nn[order]
-            trees = np.unique(tt).tolist()  # a tree with nothing to expand is done
+            trees = np.flatnonzero(np.bincount(tt, minlength=n_trees)).tolist()  # a tree with nothing to expand is done
             if not trees:
                 break
             base, n_rows = self.written, len(tt)

@@ -1,5 +1,6 @@
 """Drafting ahead's odds: what a decided round shows of acceptance, and the outcomes it guesses from it."""
 
+import numpy as np
 import pytest
 
 from eyas.outcomes import GROWN_TOGETHER_SLACK, Calibration, grown_together, likeliest_outcomes, observed_acceptance
@@ -23,12 +24,13 @@ def test_a_decided_round_shows_the_verified_children_of_every_accepted_node():
     assert observed_acceptance(tree, [0, a, b], (1,)) == {a: 1.0, b: 0.0}  # c unverified: not observed
 
 
-def chain() -> tuple[DraftTree, list[int], list[list[tuple[int, float]]]]:
-    """root -> a (token 1, q .65) -> c (token 3, q .65), with the drafter's candidates at each node."""
+def chain() -> tuple[DraftTree, list[int], tuple[np.ndarray, np.ndarray]]:
+    """root -> a (token 1, q .65) -> c (token 3, q .65), with the drafter's candidates (tokens, probabilities
+    [3, 2]) at each node."""
     tree = DraftTree(0)
     (a,) = tree.add_children([0], [(0, 1, 0.65)])
     (c,) = tree.add_children([a], [(a, 3, 0.65)])
-    candidates = [[(1, 0.65), (5, 0.3)], [(3, 0.65), (6, 0.3)], [(7, 0.9), (8, 0.05)]]
+    candidates = np.array([[1, 5], [3, 6], [7, 8]]), np.array([[0.65, 0.3], [0.65, 0.3], [0.9, 0.05]])
     return tree, [0, a, c], candidates
 
 
@@ -36,13 +38,25 @@ def test_with_no_round_seen_outcomes_are_priced_about_at_the_drafters_word():
     """The path's drafter probability times the bonus's: bin mid-points stand in for the nodes' probabilities."""
     tree, nodes, candidates = chain()
     _, a, c = nodes
-    outcomes = likeliest_outcomes(tree, nodes, candidates, Calibration(), 8)
+    outcomes = likeliest_outcomes(tree, nodes, *candidates, Calibration(), 8)
     assert [(n, b) for _, n, b in outcomes] == [(c, 7), (0, 5), (a, 6), (c, 8)]  # verified children are no bonus
     weights = {(n, b): w for w, n, b in outcomes}
     assert weights[c, 7] == pytest.approx(0.65 * 0.65 * 0.9)
     assert weights[0, 5] == pytest.approx(0.3)
     assert weights[a, 6] == pytest.approx(0.65 * 0.3)
-    assert len(likeliest_outcomes(tree, nodes, candidates, Calibration(), 2)) == 2
+    assert len(likeliest_outcomes(tree, nodes, *candidates, Calibration(), 2)) == 2
+
+
+def test_equally_likely_outcomes_keep_row_then_rank_order():
+    """Ties rank by node row, then by the drafter's rank at the node; a verified child's token is never a bonus."""
+    tree = DraftTree(0)
+    a, b = tree.add_children([0], [(0, 1, 0.25), (0, 2, 0.25)])
+    tokens = np.array([[1, 2, 4, 5], [6, 7, 8, 9], [6, 7, 8, 9]])
+    probs = np.full((3, 4), 0.25)
+    outcomes = likeliest_outcomes(tree, [0, a, b], tokens, probs, Calibration(), 10)
+    best = max(w for w, _, _ in outcomes)  # the root's: its path is certain
+    assert [(n, t) for w, n, t in outcomes if w == best] == [(0, 4), (0, 5)]
+    assert [(n, t) for w, n, t in outcomes if w < best] == [(a, 6), (a, 7), (a, 8), (a, 9), (b, 6), (b, 7), (b, 8), (b, 9)]
 
 
 def test_guesses_follow_what_the_target_accepted():
@@ -55,9 +69,9 @@ def test_guesses_follow_what_the_target_accepted():
         rejecting.add(tree, {a: 0.0})
         accepting.add(tree, {a: 1.0, c: 1.0})
     assert rejecting.rates()[Calibration.bin(0.65)] < 0.05 and accepting.rates()[Calibration.bin(0.65)] > 0.95
-    best, *_ = likeliest_outcomes(tree, nodes, candidates, rejecting, 8)
+    best, *_ = likeliest_outcomes(tree, nodes, *candidates, rejecting, 8)
     assert best[1:] == (0, 5) and best[0] > 0.8  # the root's other tokens share what the drafter left besides a
-    ranked = [(n, b) for _, n, b in likeliest_outcomes(tree, nodes, candidates, accepting, 8)]
+    ranked = [(n, b) for _, n, b in likeliest_outcomes(tree, nodes, *candidates, accepting, 8)]
     assert ranked[:2] == [(c, 7), (c, 8)]
 
 
