@@ -197,7 +197,8 @@ class DraftModel:
         attn = drafter.attention
         kv_dtype = attention_dtype(drafter.dtype, drafter.device)
         self.pool = KVPool(1, attn.kv_heads, attn.head_dim, kv_slots, slot_len, kv_dtype, drafter.device, "draft KV")
-        self.bucketed = packs(drafter.dtype, drafter.device)  # batches padded to oneDNN's row buckets
+        # batches padded to oneDNN's row buckets, for a drafter with products (the timed models' has none)
+        self.bucketed = self.served.layer is not None and packs(drafter.dtype, drafter.device)
         on_cuda = drafter.device.type == "cuda"
         self.graphs = Graphs(self._step, drafter.device) if (on_cuda if graphs is None else graphs) else None
 

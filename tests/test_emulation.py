@@ -15,10 +15,12 @@ import torch
 
 from eyas import Engine
 from eyas.emulation import EmulatedDevice, ProfileError, load_profile
-from eyas.emulation.law import context_hashes, draft_candidates, target_logits
+from eyas.emulation.law import MODULUS, context_hashes, draft_candidates, powers, scramble, target_logits
 from eyas.emulation.profile import Law, profile_from_dict
-from eyas.emulation.timed import TimedTarget
+from eyas.emulation.timed import TimedTarget, row_hashes
 from eyas.proposer import Seed
+from eyas.runtime.batch import RowsCall, pack
+from eyas.runtime.kv import KVPool
 from eyas.rounds import start
 from eyas.steps import run_alone
 from eyas.tree import TreePolicy
@@ -209,6 +211,48 @@ def test_a_forest_grows_each_tree_as_it_would_grow_alone(stop):
     target.close(), draft.close()
 
 
+def test_a_rows_hash_is_its_last_tokens_by_position_among_those_it_sees_whatever_its_batch():
+    """The timed models' context hash against its definition, row by row: entries of different lengths and windows in
+    one batch, tree rows written far past their positions (as drafting ahead writes them), pad rows beside them."""
+    context, rng = Law().context, np.random.default_rng(1)
+    pool = KVPool(1, 1, 1, 3, 160, torch.float32, torch.device("cpu"), "test KV")
+    prefix = {0: 40, 1: 7, 2: 23}  # committed rows per slot, written in one prefill each
+    written = {}  # slot -> [(token, position)] by KV row
+    for slot, n in prefix.items():
+        tokens = torch.from_numpy(rng.integers(0, 1024, n))
+        call = RowsCall(slot, 0, tokens, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+        packed = pack([call], pool)
+        row_hashes(packed.tokens, packed.positions, packed.kv, packed.mask, context)
+        written[slot] = [(int(t), i) for i, t in enumerate(tokens)]
+    calls = []
+    for slot, start, n in ((0, 100, 9), (1, 7, 3), (2, 60, 14)):  # rows at `start`, positions right after the prefix
+        parents = [-1] + [int(rng.integers(-1, i)) for i in range(n - 1)]  # a forest of paths over the new rows
+        depths = [0] * n
+        for i, p in enumerate(parents):
+            depths[i] = 0 if p < 0 else depths[p] + 1
+        visible = torch.zeros(n, start + n, dtype=torch.bool)
+        visible[:, : prefix[slot]] = True
+        for i in range(n):
+            j = i
+            while j >= 0:
+                visible[i, start + j], j = True, parents[j]
+        tokens = torch.from_numpy(rng.integers(0, 1024, n))
+        positions = torch.tensor([prefix[slot] + d for d in depths])
+        calls.append(RowsCall(slot, start, tokens, positions, visible))
+        rows = written[slot] + [(0, 0)] * (start - len(written[slot])) + list(zip(tokens.tolist(), positions.tolist()))
+        written[slot] = rows
+    packed = pack(calls, pool)
+    got = packed.rows(torch.from_numpy(row_hashes(packed.tokens, packed.positions, packed.kv, packed.mask, context))).tolist()
+    want = []
+    for call in calls:
+        for i in range(call.tokens.shape[0]):
+            position = int(call.positions[i])
+            seen = [written[call.slot][k] for k in np.flatnonzero(call.visible[i].numpy())]
+            terms = [(t + 1) * int(powers(context)[position - p]) for t, p in seen if 0 <= position - p < context]
+            want.append(int(scramble(np.int64(sum(terms) % MODULUS))))
+    assert got == want
+
+
 def test_the_laws_outputs_are_pinned():
     """The default law's exact outputs, so that a change to them (which the rate tests above might not see) shows:
     every benchmark figure on timed models assumes them. Integer and IEEE-exact outputs by digest; the drafter's
@@ -218,7 +262,7 @@ def test_the_laws_outputs_are_pinned():
     rng = np.random.default_rng(0)
     tokens, keys = rng.integers(0, law.vocab, (3, 9)), np.tile(np.arange(9), (3, 1))  # [3, 9]
     seen, rows = rng.random((3, 5, 9)) < 0.7, np.tile(np.arange(4, 9), (3, 1))  # [3, 5, 9], [3, 5]
-    hashes = context_hashes(tokens, keys, seen, rows, law.context)
+    hashes = context_hashes(tokens, keys, np.nonzero(seen), rows, law.context)
     candidates, probs = draft_candidates(h, law, 8)
     digest = hashlib.sha256()
     for array in (hashes, target_logits(h, law), candidates):

@@ -29,14 +29,18 @@ def powers(context: int) -> np.ndarray:
 
 
 def context_hashes(
-    tokens: np.ndarray, key_positions: np.ndarray, visible: np.ndarray, row_positions: np.ndarray, context: int
+    tokens: np.ndarray, key_positions: np.ndarray, seen: tuple[np.ndarray, np.ndarray, np.ndarray], row_positions: np.ndarray, context: int
 ) -> np.ndarray:
-    """Keys' tokens and positions [B, W], what each row sees [B, N, W], rows' positions [B, N] -> hashes [B, N] of each
-    row's last `context` tokens (its own included)."""
-    offset = row_positions[:, :, None] - key_positions[:, None, :]  # [B, N, W]
-    used = visible & (offset >= 0) & (offset < context)
-    terms = (tokens[:, None, :] + 1) * powers(context)[np.minimum(np.maximum(offset, 0), context - 1)]  # < 2^48
-    return scramble((terms * used).sum(-1) % MODULUS)
+    """Keys' tokens and positions [B, K], what each row sees (`seen`: entry, row and key indices [P] each, as
+    `np.nonzero` gives them), rows' positions [B, N] -> hashes [B, N] of each row's last `context` tokens (its own
+    included)."""
+    entry, row, key = seen
+    offset = row_positions[entry, row] - key_positions[entry, key]  # [P]
+    used = (offset >= 0) & (offset < context)
+    entry, row, key, offset = entry[used], row[used], key[used], offset[used]
+    sums = np.zeros(row_positions.shape, dtype=np.int64)
+    np.add.at(sums, (entry, row), (tokens[entry, key] + 1) * powers(context)[offset])  # each term < 2^48
+    return scramble(sums % MODULUS)
 
 
 def scramble(h: np.ndarray) -> np.ndarray:

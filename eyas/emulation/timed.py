@@ -68,7 +68,7 @@ def emulated_manifest(profile: Profile) -> Manifest:
 def row_hashes(tokens: torch.Tensor, positions: torch.Tensor, kv: SlotBatch, mask: torch.Tensor, context: int) -> np.ndarray:
     """Write a batch's tokens and positions [B, N] into its KV (as k and v), then hash each row's context, as `mask`
     [B, 1, N, K] lets it see -> [B, N] (pad rows: any value)."""
-    b, n = tokens.shape
+    n = tokens.shape[1]
     one_head = lambda x: x.float()[:, None, :, None]  # [B, 1, N, 1]: one head of width one
     keys, places = (x[:, 0, :, 0].numpy().astype(np.int64) for x in kv.append(one_head(tokens), one_head(positions)))  # [B, K]
     positions = positions.numpy()
@@ -77,13 +77,11 @@ def row_hashes(tokens: torch.Tensor, positions: torch.Tensor, kv: SlotBatch, mas
     real = np.arange(n) < lengths[:, None]  # [B, N]
     first = np.where(real, positions, LAST).min(axis=1)  # [B]
     low = np.maximum(first - context + 1, 0)  # a row's context lies at or after its entry's lowest row's
-    width = int((ends - low).max())
-    index = low[:, None] + np.arange(width)  # [B, W]
-    inside = index < ends[:, None]
-    index = np.minimum(index, keys.shape[1] - 1)
-    entry = np.arange(b)[:, None]
-    seen = mask[:, 0].numpy()[entry[:, :, None], np.arange(n)[:, None], index[:, None, :]] & inside[:, None, :]  # [B, N, W]
-    return context_hashes(keys[entry, index], places[entry, index], seen, positions, context)
+    lo, hi = int(low.min()), int(ends.max())
+    entry, row, key = np.nonzero(mask[:, 0, :, lo:hi].numpy())  # what rows see within the entries' windows, [P] each
+    key += lo
+    inside = (key >= low[entry]) & (key < ends[entry])
+    return context_hashes(keys, places, (entry[inside], row[inside], key[inside]), positions, context)
 
 
 class SyntheticLM:
