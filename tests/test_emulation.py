@@ -225,21 +225,21 @@ def test_a_rows_hash_is_its_last_tokens_by_position_among_those_it_sees_whatever
         row_hashes(packed.tokens, packed.positions, packed.kv, packed.mask, context)
         written[slot] = [(int(t), i) for i, t in enumerate(tokens)]
     calls = []
-    for slot, start, n in ((0, 100, 9), (1, 7, 3), (2, 60, 14)):  # rows at `start`, positions right after the prefix
+    for slot, first, n in ((0, 100, 9), (1, 7, 3), (2, 60, 14)):  # rows at `first`, positions right after the prefix
         parents = [-1] + [int(rng.integers(-1, i)) for i in range(n - 1)]  # a forest of paths over the new rows
         depths = [0] * n
         for i, p in enumerate(parents):
             depths[i] = 0 if p < 0 else depths[p] + 1
-        visible = torch.zeros(n, start + n, dtype=torch.bool)
+        visible = torch.zeros(n, first + n, dtype=torch.bool)
         visible[:, : prefix[slot]] = True
         for i in range(n):
             j = i
             while j >= 0:
-                visible[i, start + j], j = True, parents[j]
+                visible[i, first + j], j = True, parents[j]
         tokens = torch.from_numpy(rng.integers(0, 1024, n))
         positions = torch.tensor([prefix[slot] + d for d in depths])
-        calls.append(RowsCall(slot, start, tokens, positions, visible))
-        rows = written[slot] + [(0, 0)] * (start - len(written[slot])) + list(zip(tokens.tolist(), positions.tolist()))
+        calls.append(RowsCall(slot, first, tokens, positions, visible))
+        rows = written[slot] + [(0, 0)] * (first - len(written[slot])) + list(zip(tokens.tolist(), positions.tolist()))
         written[slot] = rows
     packed = pack(calls, pool)
     got = packed.rows(torch.from_numpy(row_hashes(packed.tokens, packed.positions, packed.kv, packed.mask, context))).tolist()
