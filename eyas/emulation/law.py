@@ -31,16 +31,20 @@ def powers(context: int) -> np.ndarray:
 def context_hashes(
     tokens: np.ndarray, key_positions: np.ndarray, seen: tuple[np.ndarray, np.ndarray, np.ndarray], row_positions: np.ndarray, context: int
 ) -> np.ndarray:
-    """Keys' tokens and positions [B, K], what each row sees (`seen`: entry, row and key indices [P] each, as
-    `np.nonzero` gives them), rows' positions [B, N] -> hashes [B, N] of each row's last `context` tokens (its own
+    """Keys' tokens and positions [B, K], what each row sees (`seen`: entry, row and key indices [P] each, in
+    `np.nonzero`'s order), rows' positions [B, N] -> hashes [B, N] of each row's last `context` tokens (its own
     included)."""
     entry, row, key = seen
     offset = row_positions[entry, row] - key_positions[entry, key]  # [P]
     used = (offset >= 0) & (offset < context)
     entry, row, key, offset = entry[used], row[used], key[used], offset[used]
-    sums = np.zeros(row_positions.shape, dtype=np.int64)
-    np.add.at(sums, (entry, row), (tokens[entry, key] + 1) * powers(context)[offset])  # each term < 2^48
-    return scramble(sums % MODULUS)
+    terms = (tokens[entry, key] + 1) * powers(context)[offset]  # [P'], each < 2^48
+    flat = entry * row_positions.shape[1] + row  # [P'], ascending: a row's terms lie together
+    sums = np.zeros(row_positions.size, dtype=np.int64)
+    if len(flat):
+        first = np.flatnonzero(np.r_[True, flat[1:] != flat[:-1]])  # each row's first term
+        sums[flat[first]] = np.add.reduceat(terms, first)
+    return scramble(sums.reshape(row_positions.shape) % MODULUS)
 
 
 def scramble(h: np.ndarray) -> np.ndarray:

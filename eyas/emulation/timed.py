@@ -77,11 +77,12 @@ def row_hashes(tokens: torch.Tensor, positions: torch.Tensor, kv: SlotBatch, mas
     real = np.arange(n) < lengths[:, None]  # [B, N]
     first = np.where(real, positions, LAST).min(axis=1)  # [B]
     low = np.maximum(first - context + 1, 0)  # a row's context lies at or after its entry's lowest row's
-    lo, hi = int(low.min()), int(ends.max())
-    entry, row, key = np.nonzero(mask[:, 0, :, lo:hi].numpy())  # what rows see within the entries' windows, [P] each
-    key += lo
-    inside = (key >= low[entry]) & (key < ends[entry])
-    return context_hashes(keys, places, (entry[inside], row[inside], key[inside]), positions, context)
+    seen = mask[:, 0].numpy()  # [B, N, K]
+    found = [np.nonzero(seen[b, :, low[b] : ends[b]]) for b in range(len(low))]  # each entry's window: (row, key) [P_b]
+    entry = np.repeat(np.arange(len(low)), [len(r) for r, _ in found])  # [P]
+    row = np.concatenate([r for r, _ in found])
+    key = np.concatenate([k for _, k in found]) + low[entry]
+    return context_hashes(keys, places, (entry, row, key), positions, context)
 
 
 class SyntheticLM:
