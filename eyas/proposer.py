@@ -664,9 +664,9 @@ class DraftSession:
             if not valid.all():
                 raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
             logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
-            expanded = np.bincount(tt, minlength=n_trees)  # [T]: `tt` is sorted
-            trees = np.flatnonzero(expanded)
-            expanded = expanded[trees]
+            counts = np.bincount(tt, minlength=n_trees)  # [T]: `tt` is sorted
+            trees = np.flatnonzero(counts)
+            expanded = counts[trees]  # nodes each of `trees` expanded
             first_child = count[tt] + ragged_arange(expanded) * width  # [Q]: each node's children follow its tree's last
             where = np.repeat(tt, width), np.repeat(first_child, width) + np.tile(np.arange(width), len(tt))  # [C] each
             parent = np.repeat(nn, width)  # [C]
