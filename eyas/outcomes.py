@@ -91,19 +91,21 @@ def likeliest_outcomes(
     With no rounds seen, `rates` takes the drafter about at its word, and this is about the drafter's own probability
     of the path followed by b.
     """
-    children = children_of(tree, nodes)
-    rate = rates.rates()
-    accept = {n: rate[Calibration.bin(tree.confidences[n])] for n in nodes if n}
-    reach = {0: 1.0}
-    for n in nodes[1:]:  # a flattened tree's rows: the root first, a parent before its children
-        reach[n] = reach[tree.parents[n]] * accept[n]
-    scale = np.array([reach[n] * max(0.0, 1.0 - sum(accept[c] for c in children[n])) for n in nodes])  # [N]
-    rest = np.array([max(REST_FLOOR, 1.0 - sum(tree.confidences[c] for c in children[n])) for n in nodes])  # [N]
-    weights = scale[:, None] * probs / rest[:, None]  # [N, k]
-    parent = np.array([i for i, n in enumerate(nodes) for _ in children[n]], dtype=np.int64)  # [C]: each child's row
-    child_tokens = np.array([tree.tokens[c] for n in nodes for c in children[n]], dtype=np.int64)  # [C]
+    row_of = {node: row for row, node in enumerate(nodes)}
+    up = np.array([row_of[tree.parents[n]] for n in nodes[1:]], dtype=np.int64)  # [N - 1]: each other row's parent row
+    confidences = np.array([tree.confidences[n] for n in nodes])  # [N]
+    bins = np.minimum(Calibration.BINS - 1, (confidences * Calibration.BINS).astype(np.int64))  # `Calibration.bin`
+    accept = np.array(rates.rates())[bins]  # [N] (the root's unused)
+    reach = [1.0] * len(nodes)
+    for row, (parent, a) in enumerate(zip(up.tolist(), accept[1:].tolist()), 1):  # a parent's row before its children's
+        reach[row] = reach[parent] * a
+    # summed over each row's verified children, in row order
+    taken, mass = (np.bincount(up, weights=x[1:], minlength=len(nodes)) for x in (accept, confidences))  # [N] each
+    scale = np.array(reach) * np.maximum(0.0, 1.0 - taken)  # [N]
+    weights = scale[:, None] * probs / np.maximum(REST_FLOOR, 1.0 - mass)[:, None]  # [N, k]
+    child_tokens = np.array([tree.tokens[n] for n in nodes[1:]], dtype=np.int64)  # [N - 1]
     verified = np.zeros(tokens.shape, dtype=bool)  # [N, k]: a verified child's token is no bonus
-    np.logical_or.at(verified, parent, tokens[parent] == child_tokens[:, None])
+    np.logical_or.at(verified, up, tokens[up] == child_tokens[:, None])
     order = np.argsort(np.where(verified, np.inf, -weights), axis=None, kind="stable")[: min(count, int((~verified).sum()))]
     at, rank = np.divmod(order, tokens.shape[1])
     return list(zip(weights[at, rank].tolist(), np.asarray(nodes)[at].tolist(), tokens[at, rank].tolist()))

@@ -27,12 +27,12 @@ from .rounds import Proposal
 from .runtime.batch import BACKGROUND, CANCELLED, FOREGROUND, Cancelled, Packed, RowsCall, pack, padding_groups, split_rows
 from .runtime.device import attention_dtype
 from .runtime.graphs import Graphs
-from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes, ragged_arange
+from .runtime.kv import TREE_HEADROOM, KVCapacityError, KVPool, Writes
 from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
 from .runtime.script import script, unoptimized
 from .steps import Forward, Steps, run_alone
-from .tree import LOG_FLOOR, DraftTree, TreeError, TreePolicy, flatten, flatten_many
+from .tree import DraftTree, TreeError, TreePolicy, flatten, flatten_many, log_values
 from .treerows import path_to
 
 # runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`)
@@ -657,26 +657,20 @@ class DraftSession:
 
         def add_children(tt: np.ndarray, nn: np.ndarray, ids: torch.Tensor, probs: torch.Tensor) -> None:
             """Each expanded node's (tree `tt`, node `nn` [Q], tree by tree) top-width candidates (ids, probs [Q, width])
-            as its children, in `DraftTree.add_expansion`'s order and with its values (math.log of the floored
-            probability, as it takes them)."""
+            as its children, in `DraftTree.add_expansion`'s order and with its values (`log_values`)."""
             q = probs.double().cpu().numpy()  # [Q, width]
-            valid = (q >= 0.0) & (q <= 1.0)  # NaN fails the comparison too
-            if not valid.all():
-                raise TreeError("confidence", f"must be a finite probability, got {q[~valid][0]!r}")
-            logs = np.fromiter(map(math.log, np.maximum(q, LOG_FLOOR).ravel().tolist()), np.float64, q.size).reshape(q.shape)
-            counts = np.bincount(tt, minlength=n_trees)  # [T]: `tt` is sorted
-            trees = np.flatnonzero(counts)
-            expanded = counts[trees]  # nodes each of `trees` expanded
-            first_child = count[tt] + ragged_arange(expanded) * width  # [Q]: each node's children follow its tree's last
-            where = np.repeat(tt, width), np.repeat(first_child, width) + np.tile(np.arange(width), len(tt))  # [C] each
-            parent = np.repeat(nn, width)  # [C]
-            tokens[where] = ids.cpu().numpy().ravel()
-            parents[where] = parent
-            depths[where] = depths[where[0], parent] + 1
-            confidences[where] = q.ravel()
-            values[where] = values[where[0], parent] + logs.ravel()
-            first_new[trees] = count[trees]
-            count[trees] += expanded * width
+            if not (q.min() >= 0.0 and q.max() <= 1.0):  # NaN fails the comparison too
+                raise TreeError("confidence", f"must be a finite probability, got {q[~((q >= 0.0) & (q <= 1.0))][0]!r}")
+            counts = np.bincount(tt, minlength=n_trees)  # [T]
+            rank = np.arange(len(tt)) - np.searchsorted(tt, tt)  # [Q]: each node's place among its tree's (`tt` is sorted)
+            at = tt[:, None], (count[tt] + rank * width)[:, None] + np.arange(width)  # [Q, 1], [Q, width]: after its tree's last
+            tokens[at] = ids.cpu().numpy()
+            parents[at] = nn[:, None]
+            depths[at] = depths[tt, nn][:, None] + 1
+            confidences[at] = q
+            values[at] = values[tt, nn][:, None] + log_values(q)
+            first_new[counts > 0] = count[counts > 0]
+            count[:] += counts * width
 
         start = time.perf_counter()
         root_ids, root_probs = (torch.cat(c) for c in zip(*(seed.candidates for seed in seeds)))  # [T, width]
@@ -711,7 +705,7 @@ class DraftSession:
             visible[:, :committed] = True
             visible[:, committed:] = view[:, : base + n_rows - committed]
             last = level_states[-1]  # every parent was expanded at the level before (or is a root)
-            hidden = last[torch.from_numpy(parent_rows - (done - len(last))).to(last.device)]  # [Q, d]
+            hidden = last.index_select(0, torch.from_numpy(parent_rows - (done - len(last))).to(last.device))  # [Q, d]
             row[tt, nn] = done + np.arange(n_rows)
             levels.append((tt, nn))
             call = RowsCall(

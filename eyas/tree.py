@@ -23,6 +23,12 @@ LOG_FLOOR = 1e-12  # ranking floor for log(confidence); the stored probability i
 MASS_SLACK = 1e-12  # sibling probabilities may sum to one plus rounding, not more
 
 
+def log_values(confidences: np.ndarray) -> np.ndarray:
+    """The ranking value each confidence adds to its path: log of it, floored at LOG_FLOOR (one function for every
+    tree, so that trees grown apart rank their nodes alike to the bit)."""
+    return np.log(np.maximum(confidences, LOG_FLOOR))
+
+
 @dataclass(frozen=True)
 class TreePolicy:
     """The EAGLE-2 knobs: expansion width, maximum depth, verify budget, and a floor on the path value of the nodes
@@ -111,7 +117,9 @@ class DraftTree:
             tree.parents.append(parent)
             tree.depths.append(tree.depths[parent] + 1)
             tree.confidences.append(q)
-            tree.log_values.append(tree.log_values[parent] + math.log(max(q, LOG_FLOOR)))
+        tree.log_values = [0.0]
+        for parent, value in zip(tree.parents[1:], log_values(np.asarray(tree.confidences[1:])).tolist()):
+            tree.log_values.append(tree.log_values[parent] + value)
         tree.frontier = []
         return tree
 
@@ -177,13 +185,13 @@ class DraftTree:
                 torch.tensor(token_list, dtype=torch.long),
                 torch.tensor(q_list, dtype=torch.float64),
             )
-        log_values = [self.log_values[p] + math.log(max(q, LOG_FLOOR)) for p, q in zip(parent_list, q_list)]
+        values = [self.log_values[p] + value for p, value in zip(parent_list, log_values(np.asarray(q_list, dtype=np.float64)).tolist())]
         added = list(range(len(self), len(self) + len(parent_list)))
         self.tokens += [int(t) for t in token_list]
         self.parents += parent_list
         self.depths += [self.depths[p] + 1 for p in parent_list]
         self.confidences += q_list
-        self.log_values += log_values
+        self.log_values += values
         self.frontier = added
         return added
 
