@@ -32,7 +32,7 @@ from .runtime.linear import Linear, PackedLinear, linear, pack_linears, packs
 from .runtime.model import AttentionInputs, AttentionWeights, MLPWeights, activation, residual_layer
 from .runtime.script import script, unoptimized
 from .steps import Forward, Steps, run_alone
-from .tree import DraftTree, TreeError, TreePolicy, flatten, flatten_many, log_values
+from .tree import DraftTree, RecordedTree, TreeError, TreePolicy, flatten, flatten_many, log_values
 from .treerows import path_to
 
 # runs a session's drafting ahead beside the round, given its priority (`eyas.runtime.batch.Operation`)
@@ -732,9 +732,8 @@ class DraftSession:
             rows = np.concatenate([np.zeros((len(group), 1), np.int64), selected], axis=1)
             flats = flatten_many(tokens[group], parents[group], depths[group], confidences[group], rows, prefix[group].tolist())
             for t, flat, chosen in zip(group, flats, selected.tolist()):
-                tree = DraftTree.of_records(
-                    tokens[t, :n].tolist(), parents[t, :n].tolist(), depths[t, :n].tolist(), confidences[t, :n].tolist(),
-                    values[t, :n].tolist(), list(range(int(first_new[t]), n)),
+                tree = RecordedTree(
+                    tokens[t, :n], parents[t, :n], depths[t, :n], confidences[t, :n], values[t, :n], list(range(int(first_new[t]), n))
                 )
                 kv_bytes = self.model.pool.row_bytes * int(expanded[t])
                 proposal = Proposal(flat, int(expanded[t]), n, kv_bytes, 0.0, tree, [0, *chosen])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -123,18 +124,6 @@ class DraftTree:
         tree.frontier = []
         return tree
 
-    @classmethod
-    def of_records(
-        cls, tokens: list[int], parents: list[int], depths: list[int], confidences: list[float], log_values: list[float],
-        frontier: list[int],
-    ) -> "DraftTree":
-        """A tree grown by `add_expansion`'s rules elsewhere (a forest's arrays, `DraftSession._grow_forest`), its
-        records as they would stand here: taken as they are."""
-        tree = cls(tokens[0])
-        tree.tokens, tree.parents, tree.depths, tree.confidences, tree.log_values = tokens, parents, depths, confidences, log_values
-        tree.frontier = frontier
-        return tree
-
     def ranked(self, nodes: list[int]) -> list[int]:
         """`nodes` in global order: higher path value first, then shallower, then earlier id (docs/tree.md#ranking)."""
         values = self.log_values
@@ -218,6 +207,27 @@ class DraftTree:
         return self.ranked(list(range(1, len(self))))[:budget]
 
 
+class RecordedTree(DraftTree):
+    """A tree grown by `add_expansion`'s rules elsewhere (a forest's arrays, `DraftSession._grow_forest`): its records
+    [n] as they would stand here, read out as lists when first asked for (most trees of a forest never are)."""
+
+    def __init__(
+        self, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, confidences: np.ndarray, log_values: np.ndarray,
+        frontier: list[int],
+    ):
+        self.records = (tokens, parents, depths, confidences, log_values)
+        self.frontier = frontier
+
+    def __len__(self) -> int:
+        return len(self.records[0])
+
+    tokens = cached_property(lambda self: self.records[0].tolist())
+    parents = cached_property(lambda self: self.records[1].tolist())
+    depths = cached_property(lambda self: self.records[2].tolist())
+    confidences = cached_property(lambda self: self.records[3].tolist())
+    log_values = cached_property(lambda self: self.records[4].tolist())
+
+
 ARRAY_FIELDS = ("tokens", "parents", "depths", "positions", "mask", "retrieve", "draft_probs")  # TreeRows' order
 
 
@@ -290,40 +300,45 @@ def flattened(
     tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, confidences: np.ndarray, prefix_lens: list[int]
 ) -> list[FlattenedTree]:
     """The verification rows of trees already laid out in rows [T, R] (tokens, parent rows with -1 at the root,
-    depths, draft probabilities), their masks and leaf paths built a level at a time for all of them."""
+    depths, draft probabilities), their masks and leaf paths read off each row's ancestors, for all of them at once."""
     n_trees, n_rows = tokens.shape
     parents, depths = parents.astype(np.int64), depths.astype(np.int64)
-    # ancestry closure with the diagonal, a level at a time: a row's parent's row is complete before it
-    mask = np.broadcast_to(np.eye(n_rows, dtype=np.bool_), (n_trees, n_rows, n_rows)).copy()
-    for depth in range(1, int(depths.max()) + 1):
-        t, r = np.nonzero(depths == depth)
-        mask[t, r] |= mask[t, parents[t, r]]
-    # root-to-leaf paths, leaves in row order, padded with -1 to each tree's depth + 1
+    # each row's k-th ancestor for k = 0..max depth (the root its own parent), as rows of the trees laid end to end
+    depth = int(depths.max(initial=0))
+    first = np.arange(n_trees)[:, None] * n_rows  # [T, 1]: each tree's first row, end to end
+    up = (np.where(parents >= 0, parents, 0) + first).ravel()  # [T * R]
+    ancestor = np.empty((depth + 1, n_trees * n_rows), dtype=np.int64)
+    ancestor[0] = np.arange(n_trees * n_rows)
+    for k in range(depth):
+        ancestor[k + 1] = up[ancestor[k]]
+    local = ancestor - first.repeat(n_rows)  # [D + 1, T * R]: within its tree
+    # a row's path is its ancestors: the ancestry closure with the diagonal, and the root-to-row path by depth
+    mask = np.zeros((n_trees, n_rows, n_rows), dtype=np.bool_)
+    mask.reshape(-1)[ancestor[0] * n_rows + local] = True
+    paths = np.full((n_trees, n_rows, depth + 1), -1, dtype=np.int64)
+    paths.reshape(-1)[ancestor[0] * (depth + 1) + depths.reshape(-1)[ancestor]] = local
     is_parent = np.zeros((n_trees, n_rows), dtype=np.bool_)
     t, r = np.nonzero(parents >= 0)
     is_parent[t, parents[t, r]] = True
     leaf_tree, leaf = np.nonzero(~is_parent)  # tree-major, rows in order
-    widths = depths.max(axis=1) + 1
-    # a leaf's mask row holds its path; each row of it goes to its depth's column
-    on_path, row = np.nonzero(mask[leaf_tree, leaf])  # [sum of path lengths] each, leaf by leaf
-    paths = np.full((len(leaf), int(widths.max())), -1, dtype=np.int64)
-    paths[on_path, depths[leaf_tree[on_path], row]] = row
-    leaves = np.bincount(leaf_tree, minlength=n_trees)
+    leaf_paths = paths[leaf_tree, leaf]  # [L, D + 1]
+    leaves = np.bincount(leaf_tree, minlength=n_trees).tolist()
+    widths = (depths.max(axis=1) + 1).tolist()
+    positions = depths + np.asarray(prefix_lens, dtype=np.int64)[:, None]
     tokens, confidences = tokens.astype(np.int64), confidences.astype(np.float64)
-    flat, first = [], 0
+    flat, start = [], 0
     for i in range(n_trees):
-        row_depth = torch.from_numpy(depths[i])
         flat.append(FlattenedTree(
             tokens=torch.from_numpy(tokens[i]),
             parents=torch.from_numpy(parents[i]),
-            depths=row_depth,
-            positions=row_depth + prefix_lens[i],
+            depths=torch.from_numpy(depths[i]),
+            positions=torch.from_numpy(positions[i]),
             mask=torch.from_numpy(mask[i]),
-            retrieve=torch.from_numpy(np.ascontiguousarray(paths[first : first + leaves[i], : widths[i]])),
+            retrieve=torch.from_numpy(np.ascontiguousarray(leaf_paths[start : start + leaves[i], : widths[i]])),
             draft_probs=torch.from_numpy(confidences[i]),
             prefix_len=prefix_lens[i],
         ))
-        first += leaves[i]
+        start += leaves[i]
     return flat
 
 
