@@ -178,7 +178,7 @@ def encoded(msg: pb.RoundRequest, proposal: Proposal, policy: TreePolicy, commit
     """The Round's proposed tree, as the Verify that sends it to the target with `commit`."""
     ask = msg.draft
     verify = pb.VerifyRequest(
-        ref=ask.ref, tree=wire.proposed_tree_to_proto(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
+        ref=ask.ref, tree=wire.proposed_tree_fields(proposal, ask.ref), sampling=msg.sampling, round_id=msg.round_id, commit=commit
     )
     return Drafted(msg, proposal.tree, verify.SerializeToString(), wire.proposal_to_proto(proposal, ask.ref, ask.with_records), policy)
 
@@ -455,8 +455,8 @@ class DraftWorker(Worker):
                 rows, picked = accepted_path(drafted.tree, lambda row: outcome[depths[row]] if depths[row] < len(outcome) else -1)
                 if len(rows) == len(outcome) and picked == bonus:
                     outcomes[key] = grown
-                    commit = pb.Commit(ref=drafted.ref, accepted_rows=rows, round_id=drafted.request.round_id)
-                    options.append(pb.VerifyOption(tree=wire.proposed_tree_to_proto(grown.proposal, ref), commit=commit))
+                    commit = {"ref": drafted.ref, "accepted_rows": rows, "round_id": drafted.request.round_id}
+                    options.append({"tree": wire.proposed_tree_fields(grown.proposal, ref), "commit": commit})  # built in one go
             if not options:
                 continue
             ask = drafted.request

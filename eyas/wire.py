@@ -119,8 +119,13 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def tree_to_proto(tree: FlattenedTree, request: tpb.RequestRef) -> pb.FlattenedTree:
+    return pb.FlattenedTree(**tree_fields(tree, request))
+
+
+def tree_fields(tree: FlattenedTree, request: tpb.RequestRef) -> dict:
+    """A tree's `FlattenedTree` fields, for a message that carries it to be built around them in one go."""
     rows = tree.arrays()
-    return pb.FlattenedTree(ref=request, prefix_len=tree.prefix_len, **{name: array_fields(getattr(rows, name)) for name in ARRAY_FIELDS})
+    return {"ref": request, "prefix_len": tree.prefix_len, **{name: array_fields(getattr(rows, name)) for name in ARRAY_FIELDS}}
 
 
 def tree_from_proto(msg: pb.FlattenedTree) -> FlattenedTree:
@@ -163,11 +168,16 @@ def proposal_to_proto(proposal: Proposal, request: tpb.RequestRef, with_records:
 
 def proposed_tree_to_proto(proposal: Proposal, request: tpb.RequestRef) -> pb.FlattenedTree:
     """A proposal's tree; one drafted ahead records the outcome it assumed in `assumed`."""
-    msg = tree_to_proto(proposal.tree, request)
+    return pb.FlattenedTree(**proposed_tree_fields(proposal, request))
+
+
+def proposed_tree_fields(proposal: Proposal, request: tpb.RequestRef) -> dict:
+    """`proposed_tree_to_proto`'s fields (`tree_fields`)."""
+    fields = tree_fields(proposal.tree, request)
     if proposal.assumed is not None:
         accepted, bonus = proposal.assumed
-        msg.assumed.CopyFrom(pb.AssumedOutcome(accepted_tokens=accepted, frontier_token=bonus))
-    return msg
+        fields["assumed"] = {"accepted_tokens": accepted, "frontier_token": bonus}
+    return fields
 
 
 def records_to_proto(tree: DraftTree, row_nodes: list[int]) -> pb.DraftRecords:
