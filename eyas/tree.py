@@ -118,7 +118,6 @@ class DraftTree:
             tree.parents.append(parent)
             tree.depths.append(tree.depths[parent] + 1)
             tree.confidences.append(q)
-        tree.log_values = [0.0]
         for parent, value in zip(tree.parents[1:], log_values(np.asarray(tree.confidences[1:])).tolist()):
             tree.log_values.append(tree.log_values[parent] + value)
         tree.frontier = []

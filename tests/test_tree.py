@@ -213,8 +213,8 @@ def test_a_chain_flattens_to_a_lower_triangle_and_one_path():
 
 
 def test_trees_flattened_together_have_the_masks_and_paths_the_receipt_check_rebuilds():
-    """`flatten_many` builds masks and leaf paths a level at a time for many trees at once: each tree's are the ones
-    the receipt check rebuilds row by row, whatever the other trees' shapes."""
+    """`flatten_many` reads masks and leaf paths off each row's ancestors for many trees at once: each tree's are the
+    ones the receipt check rebuilds row by row, whatever the other trees' shapes."""
     rng = random.Random(0)
     trees = []
     for _ in range(20):
@@ -227,7 +227,8 @@ def test_trees_flattened_together_have_the_masks_and_paths_the_receipt_check_reb
     n = len(trees[0][0])
     flats = flatten_many(np.zeros((len(trees), n), np.int64), as_array(0), as_array(1), np.ones((len(trees), n)),
                          np.tile(np.arange(n), (len(trees), 1)), [3] * len(trees))
-    for (parents, _), flat in zip(trees, flats):
+    for (parents, depths), flat in zip(trees, flats):
         assert flat.mask.tolist() == ancestry(parents)
         assert flat.retrieve.tolist() == leaf_paths(parents)
         assert flat.parents.tolist() == parents
+        assert flat.positions.tolist() == [3 + d for d in depths]
