@@ -217,9 +217,6 @@ class RecordedTree(DraftTree):
         self.records = (tokens, parents, depths, confidences, log_values)
         self.frontier = frontier
 
-    def __len__(self) -> int:
-        return len(self.records[0])
-
     tokens = cached_property(lambda self: self.records[0].tolist())
     parents = cached_property(lambda self: self.records[1].tolist())
     depths = cached_property(lambda self: self.records[2].tolist())
