@@ -37,7 +37,6 @@ from eyas.runtime.batch import Operation
 from eyas.steps import Steps
 from eyas.rpc import call_metadata, field_of
 from eyas.tree import FlattenedTree, TreeError, TreePolicy
-from eyas.verify import accepted_path
 from eyas.v1 import round_pb2 as pb
 from eyas.v1 import tensor_pb2 as tpb
 
@@ -316,8 +315,7 @@ class DraftWorker(Worker):
         return measure_draft(self.model)
 
     def session_kv_bytes(self, session: DraftSession) -> int:
-        pending = session.pending_features
-        return session.kv_bytes() + (pending.numel() * pending.element_size() if pending is not None else 0)
+        return session.kv_bytes() + sum(f.numel() * f.element_size() for f in session.pending_features)
 
     def _features(self, msg: pb.Reseed | pb.DraftStart, field: str) -> tuple[torch.Tensor, list[int]]:
         # a reseed carries the accepted tokens and the frontier token: at most the tree depth plus one
@@ -444,19 +442,13 @@ class DraftWorker(Worker):
                 continue  # its Round or the trees are still to come
             del self.offerable[request_id]
             ref = wire.ref(request_id, drafted.ref.version + 1, drafted.ref.manifest_id)
-            depths = drafted.tree.depths.tolist()
             outcomes, options = {}, []
             for key, grown in session.ahead.items():
                 if grown.proposal.assumed is None or key != ahead_key(ref.version, *grown.proposal.assumed, drafted.policy):
                     continue  # the decided outcome's, drafted after its verification
-                accepted, bonus = grown.proposal.assumed
-                outcome = (*accepted, bonus)
-                # the rows the target accepts for that outcome, as its verification walks the tree
-                rows, picked = accepted_path(drafted.tree, lambda row: outcome[depths[row]] if depths[row] < len(outcome) else -1)
-                if len(rows) == len(outcome) and picked == bonus:
-                    outcomes[key] = grown
-                    commit = {"ref": drafted.ref, "accepted_rows": rows, "round_id": drafted.request.round_id}
-                    options.append({"tree": wire.proposed_tree_fields(grown.proposal, ref), "commit": commit})  # built in one go
+                outcomes[key] = grown
+                commit = {"ref": drafted.ref, "accepted_rows": grown.proposal.assumed_rows, "round_id": drafted.request.round_id}
+                options.append({"tree": wire.proposed_tree_fields(grown.proposal, ref), "commit": commit})  # built in one go
             if not options:
                 continue
             ask = drafted.request

@@ -326,7 +326,7 @@ class DraftSession:
         self.written = 0
         self.committed = 0
         self.version = 0
-        self.pending_features: torch.Tensor | None = None  # [m, F] target features of verified rows not yet run
+        self.pending_features: list[torch.Tensor] = []  # [m_i, F] blocks: target features of verified rows not yet run
         self.pending_tokens: list[int] = []
         self.root_state: torch.Tensor | None = None  # [d] drafter output at the last committed row
         self.root_token: int | None = None
@@ -409,7 +409,7 @@ class DraftSession:
         if not tokens:
             return
         # [m, F] in the dtype they came in (the drafter casts them as it reads them), seeded by its next pass
-        self.pending_features = features if self.pending_features is None else torch.cat([self.pending_features, features])
+        self.pending_features.append(features)  # joined once, when they run: a streak of reseeds copies each block once
         self.pending_tokens += [int(t) for t in tokens]
 
     def start(self, version: int, features: torch.Tensor, tokens: list[int]) -> None:
@@ -449,18 +449,19 @@ class DraftSession:
         `top_k`, returns the new root's top-k children candidates ([1, k] ids and probabilities) from the same pass,
         None when nothing was pending."""
         self.written = self.committed
-        if self.pending_features is None:
+        if not self.pending_features:
             return None
         m = len(self.pending_tokens)
         visible = torch.ones(m, self.committed + m, dtype=torch.bool)
         visible[:, self.committed :] = torch.ones(m, m, dtype=torch.bool).tril()
         positions = torch.arange(self.committed, self.committed + m)
         tokens = torch.tensor(self.pending_tokens)
-        out = yield from self._run(RowsCall(self.slot, self.committed, tokens, positions, visible, None, top_k, True, self.pending_features))
+        features = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]  # [m, F]
+        out = yield from self._run(RowsCall(self.slot, self.committed, tokens, positions, visible, None, top_k, True, features))
         self.committed += m
         self.root_state = out.states[-1]
         self.root_token = self.pending_tokens[-1]
-        self.pending_features = None
+        self.pending_features = []
         self.pending_tokens = []
         return None if out.tokens is None else (out.tokens, out.probs)
 
@@ -597,7 +598,9 @@ class DraftSession:
                 torch.stack([states[n] for _, n, _ in outcomes]),
                 policy.width if policy.depth > 0 and policy.budget > 0 else 0,
             )  # states [T, d], each root's candidates [T, width]
-            paths = [tuple(tree.tokens[m] for m in path_to(tree.parents, n)[1:]) for _, n, _ in outcomes]
+            routes = [path_to(tree.parents, n) for _, n, _ in outcomes]  # each outcome's accepted nodes, root first
+            paths = [tuple(tree.tokens[m] for m in route[1:]) for route in routes]
+            row_of = {node: row for row, node in enumerate(nodes)}
             seeds = [
                 Seed(
                     b, roots.states[i], path_rows[n] + [base + i], prefix_len + tree.depths[n] + 1,
@@ -612,10 +615,11 @@ class DraftSession:
             together = grown_together(*self.model.ahead_curve, policy.width, len(outcomes)) if self.model.ahead_curve else 1
             for first, last in ((0, together), (together, len(outcomes))):
                 built_trees = yield from self._grow_forest(seeds[first:last], policy)
-                for path, (_, _, b), built in zip(paths[first:last], outcomes[first:last], built_trees):
+                for i, built in enumerate(built_trees, first):
                     if built is not None:  # None: stopped, another outcome was decided
-                        built.proposal.assumed = (path, b)
-                        self.ahead[ahead_key(version, path, b, policy)] = built
+                        built.proposal.assumed = outcome = (paths[i], outcomes[i][2])
+                        built.proposal.assumed_rows = tuple(row_of[m] for m in routes[i])
+                        self.ahead[ahead_key(version, *outcome, policy)] = built
                         self.ahead_built += 1
                 if self._decided is not None:
                     return

@@ -36,6 +36,7 @@ class Proposal:
     draft_tree: DraftTree | None = None  # every recorded node, for tree tuning (not sent on the wire)
     row_nodes: list[int] | None = None  # draft-tree node of each flattened row
     assumed: tuple[tuple[int, ...], int] | None = None  # drafted ahead: the (accepted tokens, bonus) it assumed
+    assumed_rows: tuple[int, ...] | None = None  # drafted ahead: the rows of the tree before it that outcome accepts
 
 
 @dataclass

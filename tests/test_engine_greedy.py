@@ -148,6 +148,11 @@ def test_a_tree_drafted_ahead_is_used_only_for_the_version_and_outcome_it_assume
     proposal = draft.propose(0, request.root_token, engine.tree)
     draft._settle_ahead()
     assert draft.ahead and all(key[0] == 1 for key in draft.ahead)  # keyed to the next version only
+    tokens, parents = proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()
+    for grown in draft.ahead.values():  # each names the rows of the tree sent that its outcome accepts, root first
+        (accepted, bonus), rows = grown.proposal.assumed, grown.proposal.assumed_rows
+        assert rows[0] == 0 and all(parents[c] == p for p, c in zip(rows, rows[1:]))
+        assert [tokens[r] for r in rows[1:]] == list(accepted) and bonus not in [tokens[c] for c in proposal.tree.children(rows[-1])]
     verification = target_session.verify(proposal.tree, 0, request.sampling)
     publish(request, verification.decision, verification.features, target_session, draft)
     calibration = engine.draft.calibration  # fed what the target made of the tree: the oracle's path accepted
@@ -157,6 +162,7 @@ def test_a_tree_drafted_ahead_is_used_only_for_the_version_and_outcome_it_assume
     assert (sum(calibration.accepted), sum(calibration.counts)) == observed  # ... and feeds nothing twice
     hit = draft.propose(1, request.root_token, engine.tree)
     assert hit.assumed == (tuple(reference[:2]), reference[2]) and hit.tree.prefix_len == target_session.committed
+    assert hit.assumed_rows == verification.decision.accepted_rows  # the rows the target accepted
     draft._settle_ahead()
     assert draft.ahead and all(key[0] == 2 for key in draft.ahead)  # the other version-1 trees are gone, never sent
     target_session.close(), draft.close()
